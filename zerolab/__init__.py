@@ -1,0 +1,43 @@
+"""zerolab: ZeRO from first principles, measured.
+
+    import zerolab as zl
+    zl.launch(fn, world_size=2)          # real worker processes, values back in rank order
+    zl.memory.model_state_bytes(...)     # the paper's memory model
+    zl.memory.model_state_bytes_measured(model, optimizer)   # what is really allocated
+
+Modules load on first use (zl.numerics, zl.precision, zl.DDP ...), so `import zerolab`
+stays cheap for the worker processes that import it.
+"""
+
+import importlib
+
+from . import comm, data, memory, models
+from .launch import LaunchError, device, launch, rank, world_size
+
+__version__ = "0.1.0"
+
+# name -> (module, attribute or None for the module itself)
+_LAZY = {
+    "numerics": ("zerolab.numerics", None),
+    "precision": ("zerolab.precision", None),
+    "collectives": ("zerolab.collectives", None),
+    "train": ("zerolab.train", None),
+    "plots": ("zerolab.plots", None),
+    "DDP": ("zerolab.ddp", "DDP"),
+    "NaiveDDP": ("zerolab.ddp", "NaiveDDP"),
+    "ZeRO": ("zerolab.zero", "ZeRO"),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        module_name, attr = _LAZY[name]
+        module = importlib.import_module(module_name)
+        value = module if attr is None else getattr(module, attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'zerolab' has no attribute {name!r}")
+
+
+__all__ = ["launch", "LaunchError", "rank", "world_size", "device", "comm", "data", "memory",
+           "models", *_LAZY]

@@ -1,0 +1,202 @@
+"""The communication ledger: zerolab's one door to torch.distributed.
+
+Every collective zerolab runs goes through a Ledger, which records what moved:
+
+    op, dtype, elements of the full tensor, bytes THIS rank sends, group size, and time.
+
+Bytes follow the ring algorithm, where S is the size of the full (unsharded) tensor:
+
+    all-reduce        2 (N-1)/N * S    (a reduce-scatter followed by an all-gather)
+    reduce-scatter      (N-1)/N * S
+    all-gather          (N-1)/N * S
+    broadcast           S for every rank of the pipeline chain except its last, which sends 0
+
+That is the number the paper reasons with ("2 Psi per step for data parallelism"), so a
+chapter can print the measured total beside it. Async operations return a Handle whose
+wait() stamps the end time, which gives the timelines of chapters 5 and 8.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+        "product": dist.ReduceOp.PRODUCT}
+
+# torch >= 2.12 names these *_single; older releases call them *_tensor / *_into_tensor.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class CommRecord:
+    """One collective as seen by this rank."""
+
+    op: str
+    dtype: str
+    numel: int          # elements of the full tensor S
+    bytes_sent: int     # bytes this rank sends under the ring algorithm
+    group_size: int
+    start: float        # seconds since the ledger was created
+    end: float | None = None
+    tag: str = ""
+    async_op: bool = False
+
+    @property
+    def seconds(self) -> float:
+        return float("nan") if self.end is None else self.end - self.start
+
+
+class Handle:
+    """An async collective in flight. wait() blocks until it is done and records the end time."""
+
+    def __init__(self, work, record: CommRecord, ledger: "Ledger"):
+        self._work, self.record, self._ledger = work, record, ledger
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self.record.end is None:
+            self.record.end = self._ledger.now()
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+def _reduce_op(op: str):
+    try:
+        return _OPS[op]
+    except KeyError:
+        raise ValueError(f"unknown reduce op {op!r}; choose one of {sorted(_OPS)}") from None
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def _group_rank(group) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+@dataclass
+class Ledger:
+    """Runs collectives and records each one. Engines own one: `engine.comm`."""
+
+    group: object = None
+    records: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self._epoch = time.perf_counter()
+
+    # --- bookkeeping
+    def now(self) -> float:
+        return time.perf_counter() - self._epoch
+
+    def reset(self) -> None:
+        """Forget all records (the clock keeps running)."""
+        self.records.clear()
+
+    def bytes(self, op: str | None = None, tag: str | None = None) -> int:
+        """Total bytes this rank sent, optionally only for one op or tag."""
+        return sum(r.bytes_sent for r in self.records
+                   if (op is None or r.op == op) and (tag is None or r.tag == tag))
+
+    def summary(self) -> dict:
+        """{op: {"calls": n, "bytes": b, "seconds": s}} over the records."""
+        out: dict[str, dict] = {}
+        for r in self.records:
+            row = out.setdefault(r.op, {"calls": 0, "bytes": 0, "seconds": 0.0})
+            row["calls"] += 1
+            row["bytes"] += r.bytes_sent
+            row["seconds"] += 0.0 if r.end is None else r.end - r.start
+        return out
+
+    def _run(self, op, tensor_full_numel, dtype, factor, call, group, async_op, tag):
+        group = self.group if group is None else group
+        n = _group_size(group)
+        elem = torch.empty((), dtype=dtype).element_size()
+        rec = CommRecord(op=op, dtype=str(dtype).replace("torch.", ""), numel=int(tensor_full_numel),
+                         bytes_sent=round(factor(n) * tensor_full_numel * elem), group_size=n,
+                         start=self.now(), tag=tag, async_op=async_op)
+        self.records.append(rec)
+        if n == 1 or not dist.is_initialized():
+            work = None  # one rank: the result is already in place, nothing moves
+        else:
+            work = call(group)
+        handle = Handle(work, rec, self)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    # --- collectives
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group=None, async_op=False, tag=""):
+        """tensor <- op over ranks of tensor, in place."""
+        red = _reduce_op(op)
+        return self._run("all_reduce", tensor.numel(), tensor.dtype, lambda n: 2 * (n - 1) / n,
+                         lambda g: dist.all_reduce(tensor, op=red, group=g, async_op=async_op),
+                         group, async_op, tag)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", group=None,
+                       async_op=False, tag=""):
+        """output <- this rank's 1/N slice of op over ranks of the full `input`."""
+        red = _reduce_op(op)
+        g = self.group if group is None else group
+        if input.numel() != output.numel() * _group_size(g):
+            raise ValueError(f"reduce_scatter: input has {input.numel()} elements; it must be "
+                             f"output ({output.numel()}) times the group size ({_group_size(g)})")
+        if _group_size(g) == 1:
+            output.copy_(input.view_as(output))
+        return self._run("reduce_scatter", input.numel(), input.dtype, lambda n: (n - 1) / n,
+                         lambda g_: _reduce_scatter(output, input, op=red, group=g_, async_op=async_op),
+                         group, async_op, tag)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group=None, async_op=False, tag=""):
+        """output <- the concatenation of every rank's `input`."""
+        g = self.group if group is None else group
+        if output.numel() != input.numel() * _group_size(g):
+            raise ValueError(f"all_gather: output has {output.numel()} elements; it must be "
+                             f"input ({input.numel()}) times the group size ({_group_size(g)})")
+        if _group_size(g) == 1:
+            output.copy_(input.view_as(output))
+        return self._run("all_gather", output.numel(), output.dtype, lambda n: (n - 1) / n,
+                         lambda g_: _all_gather(output, input, group=g_, async_op=async_op),
+                         group, async_op, tag)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, group=None, async_op=False, tag=""):
+        """tensor <- rank src's tensor (src is a rank of the default group)."""
+        g = self.group if group is None else group
+        n = _group_size(g)
+        src_in_group = dist.get_group_rank(g, src) if (dist.is_initialized() and g is not None) else src
+        last_in_chain = (src_in_group + n - 1) % n
+        sends = 0.0 if _group_rank(g) == last_in_chain else 1.0
+        return self._run("broadcast", tensor.numel(), tensor.dtype, lambda n_: sends if n_ > 1 else 0.0,
+                         lambda g_: dist.broadcast(tensor, src=src, group=g_, async_op=async_op),
+                         group, async_op, tag)
+
+    def barrier(self, group=None) -> None:
+        """Wait for every rank of the group (recorded with 0 bytes)."""
+        self._run("barrier", 0, torch.uint8, lambda n: 0.0,
+                  lambda g: dist.barrier(group=g), group, False, "")
+
+    # --- point to point (the ring algorithms of zl.collectives are built from these)
+    def send(self, tensor: torch.Tensor, dst: int, group=None, tag=""):
+        self._run("send", tensor.numel(), tensor.dtype, lambda n: 1.0,
+                  lambda g: dist.send(tensor, dst=dst, group=g), group, False, tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, group=None, tag=""):
+        self._run("recv", tensor.numel(), tensor.dtype, lambda n: 0.0,
+                  lambda g: dist.recv(tensor, src=src, group=g), group, False, tag)
+
+    def isend(self, tensor: torch.Tensor, dst: int, group=None, tag="") -> Handle:
+        return self._run("send", tensor.numel(), tensor.dtype, lambda n: 1.0,
+                         lambda g: dist.isend(tensor, dst=dst, group=g), group, True, tag)
+
+    def irecv(self, tensor: torch.Tensor, src: int, group=None, tag="") -> Handle:
+        return self._run("recv", tensor.numel(), tensor.dtype, lambda n: 0.0,
+                         lambda g: dist.irecv(tensor, src=src, group=g), group, True, tag)

@@ -1,0 +1,380 @@
+"""Start real worker processes with torch.distributed initialised.
+
+    zl.launch(fn, world_size=2, args=(...))  ->  [value of rank 0, value of rank 1]
+
+Every rank is a fresh operating-system process. The parent picks one free port on
+127.0.0.1, starts the ranks, and waits. Workers print nothing: their output goes to a
+log file that is shown only if they fail. What `fn` returns is sent back to the parent,
+so a notebook shows results in rank order, the same on every run.
+
+Failures end the whole launch quickly and leave no process behind:
+  * a rank that raises -> LaunchError naming the rank, with the worker's traceback;
+  * a rank that dies (os._exit, a signal) -> LaunchError naming the rank and how it died;
+  * nothing finished within `timeout` seconds -> LaunchError naming the ranks still running.
+
+Under torchrun (RANK and WORLD_SIZE in the environment) there is nothing to start:
+`launch` runs fn in the current process and returns every rank's value, gathered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import pickle
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+import multiprocessing as mp
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+
+
+class LaunchError(RuntimeError):
+    """A worker rank raised, died, or did not finish in time."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
+# --------------------------------------------------------------------- who am I?
+
+
+def rank() -> int:
+    """This process's rank (0 outside any distributed run)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    """Number of ranks in the run (1 outside any distributed run)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def device() -> torch.device:
+    """The device this rank computes on: its own GPU under NCCL, else the CPU."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# --------------------------------------------------------------------- checks
+
+
+def _check_launchable(fn, world_size, timeout, backend) -> None:
+    """Reject bad input before any process starts."""
+    if not callable(fn):
+        raise TypeError(f"launch: fn must be a function, got {type(fn).__name__} ({fn!r})")
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"launch: world_size must be an int, got {type(world_size).__name__}")
+    if world_size < 1:
+        raise ValueError(f"launch: world_size must be >= 1, got {world_size}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"launch: timeout must be a positive number of seconds, got {timeout!r}")
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"launch: backend must be None, 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and (not torch.cuda.is_available() or torch.cuda.device_count() < world_size):
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise ValueError(
+            f"launch: backend='nccl' needs one GPU per rank: {world_size} ranks, {have} GPUs. "
+            "NCCL refuses two ranks on one GPU; use backend='gloo' (or None) instead.")
+
+    target = fn
+    while hasattr(target, "func"):  # functools.partial: check what it wraps
+        target = target.func
+    name = getattr(target, "__qualname__", getattr(target, "__name__", repr(target)))
+    why = ("Worker processes import fn by name, so it must be a plain function defined at the "
+           "top level of an importable .py module (for example zerolab.workers or a file "
+           "next to your notebook), not ")
+    if name == "<lambda>":
+        raise ValueError(f"launch: fn is a lambda. {why}a lambda.")
+    if "<locals>" in name:
+        raise ValueError(f"launch: fn {name!r} is defined inside another function. {why}a nested function.")
+    if getattr(target, "__module__", None) == "__main__":
+        main = sys.modules.get("__main__")
+        if main is None or not getattr(main, "__file__", None):
+            raise ValueError(
+                f"launch: fn {name!r} was defined in a notebook cell or an interactive session. "
+                f"{why}a cell. Move it into a .py file and import it.")
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:  # noqa: BLE001 - report any pickling failure the same way
+        raise ValueError(f"launch: fn {name!r} cannot be sent to a worker process ({exc}). {why}this.") from None
+
+
+def _choose_backend(world_size: int, backend: str | None) -> str:
+    if backend is not None:
+        return backend
+    if torch.cuda.is_available():
+        if torch.cuda.device_count() >= world_size:
+            return "nccl"
+        _say_once(f"zerolab.launch: {world_size} ranks but {torch.cuda.device_count()} GPU(s); "
+                  "NCCL needs one GPU per rank, so this run uses gloo on the CPU.")
+    return "gloo"
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+# --------------------------------------------------------------------- the worker side
+
+
+def _free_port() -> int:
+    """A port that is free now on 127.0.0.1 (chosen once, in the parent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _watch_parent() -> None:
+    """End this worker if the launching process goes away, so no orphan is left running."""
+    parent = mp.parent_process()
+    if parent is not None:
+        wait([parent.sentinel])  # becomes ready when the parent exits
+        os._exit(1)
+
+
+def _worker(fn, args, rank_, world_size_, port, backend, timeout, conn, log_path):
+    # Workers print nothing to the caller: stdout and stderr (also of C++ code) go to a log.
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    threading.Thread(target=_watch_parent, daemon=True).start()
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank_),
+                      WORLD_SIZE=str(world_size_), LOCAL_RANK=str(rank_),
+                      LOCAL_WORLD_SIZE=str(world_size_), ZEROLAB_WORKER="1")
+    torch.set_num_threads(1)  # one compute thread per CPU rank: ranks must not fight for cores
+    try:
+        kwargs = {}
+        if backend == "nccl":
+            torch.cuda.set_device(rank_)
+            kwargs["device_id"] = torch.device("cuda", rank_)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank_,
+                                world_size=world_size_,
+                                timeout=datetime.timedelta(seconds=timeout), **kwargs)
+        value = fn(*args)
+        try:
+            payload = pickle.dumps(("ok", value))
+        except Exception as exc:  # noqa: BLE001
+            payload = pickle.dumps(("error", f"the value returned by fn cannot be sent back "
+                                             f"to the parent: {exc!r}"))
+    except BaseException:  # noqa: BLE001 - any failure is reported, with its traceback
+        payload = pickle.dumps(("error", traceback.format_exc()))
+    conn.send_bytes(payload)
+    conn.close()
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the result is already sent
+            pass
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown: nothing is left to do and it can be slow
+
+
+# --------------------------------------------------------------------- the parent side
+
+_CONTEXT = None
+
+
+def _context():
+    """Processes come from a fork server that has imported torch and nothing of the caller.
+
+    Each rank is still a fresh process that never ran the caller's code, but it starts in
+    a fraction of a second instead of re-importing torch (seconds per rank). Platforms
+    without a fork server use plain spawn.
+    """
+    global _CONTEXT
+    if _CONTEXT is None:
+        if "forkserver" in mp.get_all_start_methods():
+            _CONTEXT = mp.get_context("forkserver")
+            _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "zerolab"])
+        else:
+            _CONTEXT = mp.get_context("spawn")
+    return _CONTEXT
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _log_tail(path: str, limit: int = 3000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    text = text.strip()
+    if not text:
+        return ""
+    return "\n--- its output (last lines) ---\n" + text[-limit:]
+
+
+@contextlib.contextmanager
+def _main_module_hidden(fn):
+    """Keep workers from re-running the caller's script when fn lives in another module.
+
+    multiprocessing re-executes the parent's __main__ in every child so that functions
+    defined there can be found. When fn comes from an importable module that is pure cost,
+    and it breaks for `python -` or scripts without an `if __name__ == "__main__"` guard.
+    """
+    target = fn
+    while hasattr(target, "func"):
+        target = target.func
+    main = sys.modules.get("__main__")
+    if main is None or getattr(target, "__module__", None) == "__main__":
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
+def _stop(procs) -> None:
+    """Terminate, then kill, every process still alive; reap them all."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 3.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _run_in_place(fn, args, world_size_):
+    """Under torchrun: the processes already exist; run fn here and gather the values."""
+    env_world = int(os.environ["WORLD_SIZE"])
+    if world_size_ != env_world and not os.environ.get("ZEROLAB_WORKER"):
+        _say_once(f"zerolab.launch: running under torchrun with WORLD_SIZE={env_world}; "
+                  f"the world_size={world_size_} argument is ignored.")
+    if not dist.is_initialized():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        use_nccl = torch.cuda.is_available() and local < torch.cuda.device_count()
+        if use_nccl:
+            torch.cuda.set_device(local)
+        dist.init_process_group("nccl" if use_nccl else "gloo")
+    value = fn(*args)
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None,
+           timeout: float = 300.0) -> list:
+    """Run fn(*args) on `world_size` ranks and return their values in rank order."""
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"launch: args must be a tuple of arguments for fn, got {type(args).__name__}")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if not callable(fn):
+            raise TypeError(f"launch: fn must be a function, got {type(fn).__name__}")
+        return _run_in_place(fn, tuple(args), world_size)
+    _check_launchable(fn, world_size, timeout, backend)
+    backend = _choose_backend(world_size, backend)
+
+    ctx = _context()
+    port = _free_port()
+    logdir = tempfile.mkdtemp(prefix="zerolab-launch-")
+    procs, conns, logs = [], [], []
+    try:
+        for r in range(world_size):
+            receive, send = ctx.Pipe(duplex=False)
+            log = os.path.join(logdir, f"rank{r}.log")
+            p = ctx.Process(target=_worker, name=f"zerolab-rank{r}",
+                            args=(fn, tuple(args), r, world_size, port, backend, timeout, send, log))
+            try:
+                with _main_module_hidden(fn):
+                    p.start()
+            except Exception as exc:  # noqa: BLE001 - typically an argument that cannot be pickled
+                raise LaunchError(f"launch: could not start rank {r}: {exc!r}. Every argument in "
+                                  "args must be picklable (tensors, numbers, dataclasses...).", r) from None
+            send.close()  # the child holds the only sending end: EOF means it died
+            procs.append(p)
+            conns.append(receive)
+            logs.append(log)
+        return _collect(procs, conns, logs, timeout)
+    finally:
+        _stop(procs)
+        for c in conns:
+            c.close()
+        for log in logs:
+            try:
+                os.remove(log)
+            except OSError:
+                pass
+        try:
+            os.rmdir(logdir)
+        except OSError:
+            pass
+
+
+def _collect(procs, conns, logs, timeout):
+    """Wait for every rank's value; raise at the first failure."""
+    results: dict[int, object] = {}
+    pending = set(range(len(procs)))
+    deadline = time.monotonic() + timeout
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            late = sorted(pending)
+            raise LaunchError(
+                f"launch: rank(s) {late} did not finish within the timeout of {timeout:g} s and "
+                "were stopped. A rank waiting in a collective that another rank never called "
+                "looks like this; so does a run that simply needs a longer timeout."
+                + _log_tail(logs[late[0]]), late[0])
+        watch = {}
+        for r in pending:
+            watch[conns[r]] = r
+            watch[procs[r].sentinel] = r
+        for ready in wait(list(watch), timeout=remaining):
+            r = watch[ready]
+            if r not in pending:
+                continue
+            conn = conns[r]
+            if ready is conn or conn.poll():
+                try:
+                    status, value = pickle.loads(conn.recv_bytes())
+                except EOFError:
+                    procs[r].join(2.0)
+                    raise LaunchError(f"launch: rank {r} {_describe_exit(procs[r].exitcode)} "
+                                      "before returning a result." + _log_tail(logs[r]), r) from None
+                if status == "error":
+                    raise LaunchError(f"launch: rank {r} raised an exception:\n{value}", r)
+                results[r] = value
+                pending.discard(r)
+            else:  # the process ended and sent nothing
+                procs[r].join(2.0)
+                raise LaunchError(f"launch: rank {r} {_describe_exit(procs[r].exitcode)} "
+                                  "before returning a result." + _log_tail(logs[r]), r)
+    return [results[r] for r in range(len(procs))]
