@@ -1,0 +1,283 @@
+"""Mixed precision: one component that every engine holds.
+
+A training step in mixed precision (the canonical protocol of chapter 2):
+
+    forward and backward in the compute dtype (bf16 or fp16) on a low-precision copy
+    cast the gradients to fp32, into the fp32 master copy's .grad
+    fp16 only: unscale them (they were computed from loss * scale), and check for inf/nan;
+               on overflow, skip the step and lower the scale
+    clip the gradient norm if asked (the norm is summed over every rank's shard)
+    the optimizer updates the fp32 master weights and its fp32 moments
+    refresh the low-precision copy: cast16(master)
+
+This module holds the pieces that do not depend on how an engine lays out its tensors:
+the policy (which dtypes), the dynamic loss scaler, the agreed overflow check, and the
+sharded gradient clip. Anything that crosses ranks goes through a zerolab.comm.Ledger.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+POLICIES = ("fp32", "bf16", "fp16")
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_precision(name) -> str:
+    """Return `name` if it is a known precision policy, else raise a ValueError naming the choices."""
+    if not isinstance(name, str) or name not in POLICIES:
+        raise ValueError(f"unknown precision {name!r}; choose one of {', '.join(map(repr, POLICIES))}")
+    return name
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Which dtype the model computes in, which dtype the optimizer keeps, and whether to scale."""
+
+    name: str
+    compute_dtype: torch.dtype
+    master_dtype: torch.dtype = torch.float32
+    loss_scaling: bool = False
+
+    @property
+    def needs_master(self) -> bool:
+        """True when the model's own params are not the fp32 weights the optimizer updates."""
+        return self.compute_dtype != self.master_dtype
+
+
+def policy(name) -> Policy:
+    """The Policy for "fp32", "bf16" or "fp16"."""
+    name = check_precision(name)
+    # bf16 has fp32's exponent range, so its gradients do not underflow: no loss scaling needed.
+    return Policy(name, _DTYPES[name], torch.float32, loss_scaling=(name == "fp16"))
+
+
+# ------------------------------------------------------------------ dynamic loss scaling
+
+
+class LossScaler:
+    """Dynamic loss scaling, with torch.amp.GradScaler's rules plus hysteresis and a floor.
+
+    The loss is multiplied by `scale` before backward so that small fp16 gradients do not
+    underflow to zero. After backward the gradients are divided by `scale` again.
+
+    * a step whose gradients hold an inf or nan is skipped; after `hysteresis` such steps
+      in a row the scale is multiplied by `backoff_factor` (never below `min_scale`);
+    * after `growth_interval` finite steps in a row it is multiplied by `growth_factor`.
+
+    With hysteresis=1 the scale trajectory is exactly GradScaler's (for scales above min_scale).
+    """
+
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
+                 growth_interval=2000, hysteresis=1, min_scale=1.0):
+        def bad(what, value):
+            return ValueError(f"LossScaler: {what}; got {value!r}")
+
+        for key, value in (("init_scale", init_scale), ("growth_factor", growth_factor),
+                           ("backoff_factor", backoff_factor), ("min_scale", min_scale)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(f"{key} must be a finite number", value)
+        if not init_scale > 0:
+            raise bad("init_scale must be > 0", init_scale)
+        if not min_scale > 0:
+            raise bad("min_scale must be > 0", min_scale)
+        if init_scale < min_scale:
+            raise bad(f"init_scale must be >= min_scale ({min_scale})", init_scale)
+        if not growth_factor > 1:
+            raise bad("growth_factor must be > 1", growth_factor)
+        if not 0 < backoff_factor < 1:
+            raise bad("backoff_factor must be in (0, 1)", backoff_factor)
+        for key, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise bad(f"{key} must be an int >= 1", value)
+        self.scale = float(init_scale)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = growth_interval
+        self.hysteresis = hysteresis
+        self.min_scale = float(min_scale)
+        self._good_steps = 0                  # finite steps since the last overflow or growth
+        self._overflows_left = hysteresis     # overflows still tolerated before backing off
+        self.skipped = 0                      # total skipped steps, for reports
+
+    def update(self, found_inf: bool) -> None:
+        """Advance the scale after one step; found_inf says whether that step was skipped."""
+        if found_inf:
+            self.skipped += 1
+            self._good_steps = 0
+            self._overflows_left -= 1
+            if self._overflows_left <= 0:
+                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+                self._overflows_left = self.hysteresis
+        else:
+            self._overflows_left = self.hysteresis  # hysteresis counts consecutive overflows
+            self._good_steps += 1
+            if self._good_steps == self.growth_interval:
+                self.scale *= self.growth_factor
+                self._good_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval,
+                "hysteresis": self.hysteresis, "min_scale": self.min_scale,
+                "good_steps": self._good_steps, "overflows_left": self._overflows_left,
+                "skipped": self.skipped}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.__init__(d["scale"], d["growth_factor"], d["backoff_factor"], d["growth_interval"],
+                      d["hysteresis"], d["min_scale"])
+        self._good_steps = int(d["good_steps"])
+        self._overflows_left = int(d["overflows_left"])
+        self.skipped = int(d["skipped"])
+
+    def __repr__(self):
+        return (f"LossScaler(scale={self.scale:g}, growth_interval={self.growth_interval}, "
+                f"hysteresis={self.hysteresis}, min_scale={self.min_scale:g}, skipped={self.skipped})")
+
+
+# ------------------------------------------------------------------ checks that span ranks
+
+
+def _unique(grads):
+    """The gradient tensors, each storage region once (a tied weight counts once)."""
+    seen, out = set(), []
+    for g in grads:
+        if g is None:
+            continue
+        key = (g.untyped_storage().data_ptr(), g.storage_offset(), g.numel())
+        if key not in seen:
+            seen.add(key)
+            out.append(g)
+    return out
+
+
+def found_overflow(grads, ledger=None, group=None) -> bool:
+    """True if any rank's gradients hold an inf or nan.
+
+    Each rank checks its own tensors, then the flags are all-reduced with max through the
+    ledger, so every rank returns the same verdict and they all skip (or all step) together.
+    Without a ledger the verdict is this process's alone.
+    """
+    flag = torch.zeros(1, dtype=torch.float32)
+    for g in _unique(grads):
+        if not bool(torch.isfinite(g).all()):
+            flag.fill_(1.0)
+            break
+    if ledger is not None:
+        ledger.all_reduce(flag, op="max", group=group, tag="overflow")
+    return bool(flag.item() > 0)
+
+
+def clip_grad_norm_(grads, max_norm, ledger=None, group=None) -> float:
+    """Scale gradients in place so that their global L2 norm is at most max_norm.
+
+    `grads` are the tensors this rank holds; with sharded gradients each rank holds a
+    disjoint piece, so the squared norms are summed across ranks (all-reduce) before the
+    square root. A tensor passed twice (a tied weight) counts once. Returns the total norm
+    before clipping, as torch.nn.utils.clip_grad_norm_ does.
+    """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"clip_grad_norm_: max_norm must be a number > 0; got {max_norm!r}")
+    grads = _unique(grads)
+    sq = torch.zeros(1, dtype=torch.float32)
+    for g in grads:
+        sq += g.detach().float().pow(2).sum()
+    if ledger is not None:
+        ledger.all_reduce(sq, op="sum", group=group, tag="grad_norm")
+    total = math.sqrt(sq.item())
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:  # only ever shrink
+        for g in grads:
+            g.mul_(coef)
+    return total
+
+
+# ------------------------------------------------------------------ the component
+
+
+class MixedPrecision:
+    """The precision component of an engine: policy, loss scaler, agreed overflow check.
+
+        mp = MixedPrecision("fp16", ledger=engine.comm)
+        mp.scale_loss(loss, step).backward()
+        ok = mp.unscale_and_check(fp32_grads)   # same verdict on every rank
+        if ok: optimizer.step()
+        mp.update(found_inf=not ok)
+    """
+
+    def __init__(self, name="fp32", *, scaler: LossScaler | None = None, ledger=None, group=None):
+        self.policy = policy(name)
+        if scaler is not None and not isinstance(scaler, LossScaler):
+            raise TypeError(f"scaler must be a zerolab.precision.LossScaler, got {type(scaler).__name__}")
+        if scaler is not None and not self.policy.loss_scaling:
+            raise ValueError(f"a loss scaler is only used with precision 'fp16'; got precision {name!r}")
+        if self.policy.loss_scaling and scaler is None:
+            scaler = LossScaler()
+        self.scaler = scaler
+        self.ledger, self.group = ledger, group
+
+    @property
+    def name(self) -> str:
+        return self.policy.name
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.policy.compute_dtype
+
+    @property
+    def scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def scale_loss(self, loss: torch.Tensor, step=None) -> torch.Tensor:
+        """loss * scale for fp16 (in fp32, so the product itself cannot overflow); loss otherwise.
+
+        fp32 and bf16 have no scale to lower, so a NaN loss there can only mean a bug or a
+        divergence: it raises FloatingPointError naming the step instead of training on.
+        """
+        if self.scaler is None:
+            if bool(torch.isnan(loss.detach()).any()):
+                where = f" at step {step}" if step is not None else ""
+                raise FloatingPointError(
+                    f"the loss is NaN{where} in {self.name} training; with no loss scaler there is "
+                    "nothing to back off, so training stops here (check the learning rate and the data)")
+            return loss
+        return loss.float() * self.scaler.scale
+
+    def unscale_and_check(self, grads) -> bool:
+        """Unscale fp32 gradients in place (fp16), then check for inf/nan. True = finite.
+
+        For fp16 the verdict is all-reduced through the ledger so that every rank agrees.
+        For fp32 and bf16 a non-finite gradient is checked on this rank only and raises
+        FloatingPointError: there is no loss scale to lower, so skipping would not help.
+        """
+        grads = [g for g in grads if g is not None]
+        if self.scaler is None:
+            if found_overflow(grads):
+                raise FloatingPointError(f"non-finite gradients in {self.name} training")
+            return True
+        inv = 1.0 / self.scaler.scale
+        for g in _unique(grads):
+            g.mul_(inv)
+        return not found_overflow(grads, self.ledger, self.group)
+
+    def update(self, found_inf: bool) -> None:
+        """Advance the loss scaler after a step (nothing to do without one)."""
+        if self.scaler is not None:
+            self.scaler.update(bool(found_inf))
+
+    def state_dict(self) -> dict:
+        return {"precision": self.name,
+                "scaler": None if self.scaler is None else self.scaler.state_dict()}
+
+    def load_state_dict(self, d: dict) -> None:
+        if d["precision"] != self.name:
+            raise ValueError(f"state is for precision {d['precision']!r}, this component is {self.name!r}")
+        if self.scaler is not None and d.get("scaler") is not None:
+            self.scaler.load_state_dict(d["scaler"])
+
+    def __repr__(self):
+        return f"MixedPrecision({self.name!r}, scaler={self.scaler!r})"

@@ -1,0 +1,154 @@
+"""The single-process engine: the reference every parallel engine is compared to.
+
+    engine = SingleProcess(model, functools.partial(torch.optim.AdamW, lr=3e-4), precision="bf16")
+    logits, loss = zl.models.gpt_loss(engine, batch)
+    engine.backward(loss)
+    applied = engine.step()      # False when an fp16 overflow skipped the step
+    engine.zero_grad()
+
+In fp32 the optimizer updates the model's own parameters. In bf16 and fp16 it follows the
+canonical mixed-precision protocol: the model holds 2-byte parameters and gradients, the
+engine holds an fp32 master copy of every trainable parameter, the optimizer (and so its
+moments) lives on the masters, and after each applied step the masters are cast back into
+the model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .comm import Ledger
+from .memory import PeakMemory, live_bytes, optimizer_tensors
+from .precision import MixedPrecision, clip_grad_norm_
+
+
+def build_optimizer(optimizer, params, precision: str) -> torch.optim.Optimizer:
+    """Call an optimizer factory on `params`, refusing an already-built optimizer."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a factory (a callable params -> torch.optim.Optimizer), not an "
+            f"already-built {type(optimizer).__name__}: the engine decides which tensors the "
+            f"optimizer updates (with precision={precision!r} those are fp32 master copies it creates). "
+            "Pass e.g. functools.partial(torch.optim.AdamW, lr=3e-4).")
+    if not callable(optimizer):
+        raise TypeError(f"optimizer must be a callable params -> torch.optim.Optimizer, "
+                        f"e.g. functools.partial(torch.optim.AdamW, lr=3e-4); got {optimizer!r}")
+    opt = optimizer(params)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
+    return opt
+
+
+class SingleProcess:
+    """One process, one model: forward, backward, mixed-precision step, measured memory."""
+
+    def __init__(self, model: torch.nn.Module, optimizer, *, precision="fp32", max_grad_norm=None,
+                 scaler=None, track_peak: bool = True):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not
+                                          isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be None or a number > 0; got {max_grad_norm!r}")
+        self.comm = Ledger()  # one process: nothing moves, but engines share the interface
+        self.precision = MixedPrecision(precision, scaler=scaler, ledger=self.comm)
+        self.model = model
+        self.max_grad_norm = max_grad_norm
+        self.track_peak = track_peak
+        self.steps = 0          # step() calls so far, applied or skipped
+        self.last_peak = 0
+        self.last_grad_norm = None
+
+        # model.parameters() yields a tied weight once, so it gets one master and one optimizer slot
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if self.precision.policy.needs_master:
+            # masters first, from the exact fp32 values; then the model becomes low precision
+            self.masters = [p.detach().clone().float() for p in self.params]
+            model.to(self.precision.compute_dtype)
+        else:
+            self.masters = self.params
+        self.optimizer = build_optimizer(optimizer, self.masters, precision)
+
+    # ---------------------------------------------------------------- forward and backward
+    def __call__(self, *inputs):
+        dtype = self.precision.compute_dtype
+        inputs = [x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                  for x in inputs]
+        return self.model(*inputs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), on loss * scale in fp16 (raises on a NaN loss in fp32/bf16)."""
+        self.precision.scale_loss(loss, step=self.steps).backward()
+
+    # ---------------------------------------------------------------- the step
+    def step(self) -> bool:
+        """One optimizer step; returns False (and changes nothing) when an overflow skips it."""
+        if self.track_peak:
+            with PeakMemory("cpu") as peak:
+                applied = self._step()
+            self.last_peak = peak.peak
+        else:
+            applied = self._step()
+        self.steps += 1
+        return applied
+
+    @torch.no_grad()
+    def _step(self) -> bool:
+        mixed = self.precision.policy.needs_master
+        if mixed:
+            # cast: fp32 copies of the low-precision gradients, short-lived, on the masters
+            for p, m in zip(self.params, self.masters):
+                m.grad = None if p.grad is None else p.grad.float()
+        grads = [m.grad for m in self.masters if m.grad is not None]
+        ok = self.precision.unscale_and_check(grads)
+        if not ok:  # fp16 overflow: parameters and optimizer state stay as they are
+            self.precision.update(found_inf=True)
+            self._drop_master_grads()
+            return False
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = clip_grad_norm_(grads, self.max_grad_norm, self.comm)
+        self.optimizer.step()
+        if mixed:
+            # refresh: the compute copy is the cast of the authoritative fp32 master
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+            self._drop_master_grads()
+        self.precision.update(found_inf=False)
+        return True
+
+    def _drop_master_grads(self):
+        if self.masters is not self.params:
+            for m in self.masters:
+                m.grad = None
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        self._drop_master_grads()
+
+    # ---------------------------------------------------------------- state
+    def full_state_dict(self) -> dict:
+        """fp32 tensors on CPU, same keys as model.state_dict(); params come from the masters."""
+        master_of = {id(p): m for p, m in zip(self.params, self.masters)}
+        converted: dict = {}  # id -> tensor, so tied weights stay one tensor
+        out = {}
+        for key, t in self.model.state_dict(keep_vars=True).items():
+            if id(t) not in converted:
+                src = master_of.get(id(t), t).detach()
+                converted[id(t)] = src.float().cpu().clone() if src.is_floating_point() else src.cpu().clone()
+            out[key] = converted[id(t)]
+        return out
+
+    def memory_report(self) -> dict:
+        """MEASURED bytes now: params (compute dtype), grads, optimizer (masters + state), total, peak."""
+        params = list(self.model.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        extra = self.masters if self.masters is not self.params else []
+        opt = list(extra) + optimizer_tensors(self.optimizer)
+        out = {"params": live_bytes(params), "grads": live_bytes(grads, exclude=params),
+               "optimizer": live_bytes(opt, exclude=params + grads)}
+        out["total"] = out["params"] + out["grads"] + out["optimizer"]
+        out["peak"] = self.last_peak
+        return out
+
+    def state_dict(self) -> dict:
+        return {"model": self.full_state_dict(), "optimizer": self.optimizer.state_dict(),
+                "precision": self.precision.state_dict(), "steps": self.steps}
