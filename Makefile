@@ -1,0 +1,48 @@
+# zerolab: two commands do everything on a fresh machine.
+#   make test   set up, then run the unit tests, the multi-process tests and nbval over every chapter
+#   make book   set up, then execute every chapter and build the HTML book into _build/html
+#
+# Set-up makes a virtual environment in .venv. If this machine's python already has a torch
+# (a GPU box, say), the venv sees it; otherwise it installs the CPU build torch==2.13.0 first,
+# so that no CUDA wheels are pulled. Use PYTHON=... to choose the interpreter.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.zerolab-setup
+CPU_TORCH := torch==2.13.0
+
+.PHONY: setup test book clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	@if [ ! -x $(PY) ]; then \
+	  if $(PYTHON) -c "import torch" 2>/dev/null; then \
+	    echo "setup: using this machine's torch"; $(PYTHON) -m venv --system-site-packages $(VENV); \
+	  else \
+	    $(PYTHON) -m venv $(VENV); \
+	  fi; \
+	fi
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(CPU_TORCH)"
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	@touch $@
+
+test: setup
+	$(PY) -m pytest tests chapters --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg \
+	  --nbval-cell-timeout=600 -p no:cacheprovider -q --durations=10
+
+# The execution cache is keyed on the notebooks by jupyter-cache; we also key it on the
+# library's sources, so a change in zerolab/ re-executes every chapter.
+book: setup
+	@mkdir -p _build
+	@h=$$(cat zerolab/*.py zerolab/*.txt | sha256sum | cut -c1-16); \
+	 if [ "$$(cat _build/.zerolab-sources 2>/dev/null)" != "$$h" ]; then \
+	   echo "book: zerolab sources changed, chapters will be re-executed"; rm -rf _build/.jupyter_cache; \
+	 fi; echo $$h > _build/.zerolab-sources
+	$(VENV)/bin/jupyter-book build . -W --keep-going
+	@echo "book: open _build/html/index.html"
+
+clean:
+	rm -rf _build .venv

@@ -1,0 +1,241 @@
+"""zl.launch: real processes, values in rank order, every failure surfaced fast, nothing left behind."""
+
+import functools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerolab as zl
+launch_module = sys.modules["zerolab.launch"]  # the module (zl.launch is the function)
+
+
+# ---- worker functions: top level of an importable module, as launch requires
+
+
+def identity_and_sum(tag):
+    t = torch.tensor([float(zl.rank() + 1)])
+    dist.all_reduce(t)  # a real collective across the real processes
+    return {"tag": tag, "rank": zl.rank(), "world": zl.world_size(), "sum": t.item(),
+            "pid": os.getpid(), "threads": torch.get_num_threads(), "device": str(zl.device()),
+            "backend": dist.get_backend()}
+
+
+def raise_on_rank_1():
+    if zl.rank() == 1:
+        raise ValueError("deliberate failure on rank 1")
+    dist.barrier()  # rank 0 waits here for a rank that will never come
+    return "unreachable"
+
+
+def exit_on_rank_1():
+    if zl.rank() == 1:
+        os._exit(7)
+    dist.barrier()
+    return "unreachable"
+
+
+def sigkill_rank_0():
+    if zl.rank() == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+    return "unreachable"
+
+
+def sleep_forever():
+    time.sleep(3600)
+
+
+def print_something():
+    print("a worker must not print to the caller")
+    return zl.rank()
+
+
+def return_tensor():
+    return torch.arange(3) * (zl.rank() + 1)
+
+
+def return_unpicklable():
+    return lambda: None
+
+
+def add(a, b):
+    return a + b + zl.rank()
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# ---- the happy path
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_values_come_back_in_rank_order(world_size):
+    out = zl.launch(identity_and_sum, world_size, args=("x",))
+    assert [o["rank"] for o in out] == list(range(world_size))
+    expected = world_size * (world_size + 1) / 2  # closed form of 1 + 2 + ... + N
+    for o in out:
+        assert o["world"] == world_size and o["sum"] == expected and o["tag"] == "x"
+        assert o["threads"] == 1, "one compute thread per CPU rank"
+        assert o["backend"] == "gloo" and o["device"] == "cpu"
+    assert len({o["pid"] for o in out}) == world_size
+    assert os.getpid() not in {o["pid"] for o in out}, "ranks are separate processes"
+
+
+def test_partial_and_tensor_results(capfd):
+    assert zl.launch(functools.partial(add, 10), 2, args=(5,)) == [15, 16]
+    tensors = zl.launch(return_tensor, 2)
+    assert torch.equal(tensors[1], torch.tensor([0, 2, 4]))
+    assert zl.launch(print_something, 2) == [0, 1]
+    assert "must not print" not in capfd.readouterr().out
+
+
+# ---- failures
+
+
+def test_rank_that_raises_is_named_with_traceback():
+    start = time.monotonic()
+    with pytest.raises(zl.LaunchError) as info:
+        zl.launch(raise_on_rank_1, 2, timeout=60)
+    assert time.monotonic() - start < 10, "a raising rank must surface in seconds, not at the timeout"
+    assert info.value.rank == 1
+    msg = str(info.value)
+    assert "rank 1" in msg and "deliberate failure on rank 1" in msg and "Traceback" in msg
+
+
+@pytest.mark.parametrize("worker, bad_rank, how", [(exit_on_rank_1, 1, "exited with code 7"),
+                                                   (sigkill_rank_0, 0, "SIGKILL")])
+def test_rank_that_dies_is_named_and_nothing_is_left(worker, bad_rank, how):
+    before = set(_children())
+    start = time.monotonic()
+    with pytest.raises(zl.LaunchError) as info:
+        zl.launch(worker, 2, timeout=60)
+    assert time.monotonic() - start < 10
+    assert info.value.rank == bad_rank and how in str(info.value)
+    time.sleep(0.2)
+    assert not [p for p in set(_children()) - before if _alive(p)], "no worker may outlive launch"
+
+
+def test_timeout_stops_every_rank():
+    before = set(_children())
+    start = time.monotonic()
+    with pytest.raises(zl.LaunchError, match="did not finish within the timeout of 2 s"):
+        zl.launch(sleep_forever, 2, timeout=2)
+    assert 2 <= time.monotonic() - start < 8
+    time.sleep(0.2)
+    assert not [p for p in set(_children()) - before if _alive(p)]
+
+
+def test_unpicklable_result_is_explained():
+    with pytest.raises(zl.LaunchError, match="cannot be sent back"):
+        zl.launch(return_unpicklable, 2)
+
+
+def _children():
+    """PIDs of this process's live descendants (the fork server's children included)."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+    pairs = [tuple(map(int, l.split())) for l in out.strip().splitlines()]
+    kids, frontier = set(), {os.getpid()}
+    while frontier:
+        nxt = {pid for pid, ppid in pairs if ppid in frontier} - kids
+        kids |= nxt
+        frontier = nxt
+    return kids
+
+
+# ---- bad input, rejected before any process starts
+
+
+def nested_holder():
+    def inner():
+        return 1
+    return inner
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(fn=42), TypeError, "fn must be a function"),
+    (dict(fn=lambda: 1), ValueError, "lambda"),
+    (dict(fn=nested_holder()), ValueError, "inside another function"),
+    (dict(fn=add, world_size=0), ValueError, "world_size must be >= 1"),
+    (dict(fn=add, world_size=2.0), TypeError, "world_size must be an int"),
+    (dict(fn=add, timeout=0), ValueError, "timeout must be a positive"),
+    (dict(fn=add, timeout=-3), ValueError, "timeout must be a positive"),
+    (dict(fn=add, backend="mpi"), ValueError, "backend must be"),
+    (dict(fn=add, args=5), TypeError, "args must be a tuple"),
+])
+def test_bad_input_is_rejected_before_start(kwargs, error, words, monkeypatch):
+    def no_processes_please():
+        raise AssertionError("launch tried to start processes for bad input")
+    monkeypatch.setattr(launch_module, "_context", no_processes_please)
+    with pytest.raises(error, match=words):
+        zl.launch(**{"world_size": 2, **kwargs})
+
+
+def test_notebook_defined_function_gets_a_clear_error():
+    # `python -c` has an interactive __main__ without __file__, exactly like a notebook kernel.
+    code = textwrap.dedent("""
+        import sys, zerolab as zl
+        def work():
+            return 1
+        try:
+            zl.launch(work, 2)
+        except ValueError as e:
+            print("ERROR:", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "notebook cell or an interactive session" in out.stdout, out.stdout + out.stderr
+    assert "Move it into a .py file" in out.stdout
+
+
+def test_script_main_functions_work(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        import zerolab as zl
+        import torch.distributed as dist
+        def work(x):
+            return x * 10 + dist.get_rank()
+        if __name__ == "__main__":
+            print(zl.launch(work, 2, args=(4,)))
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[40, 41]", out.stderr
+
+
+def test_torchrun_runs_in_place(tmp_path):
+    script = tmp_path / "under_torchrun.py"
+    script.write_text(textwrap.dedent("""
+        import os, zerolab as zl
+        def work():
+            return (zl.rank(), zl.world_size(), os.getpid())
+        values = zl.launch(work, world_size=2)
+        if zl.rank() == 0:
+            print("VALUES", [v[:2] for v in values], len({v[2] for v in values}))
+    """))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script)]
+    out = subprocess.run(torchrun, capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert "VALUES [(0, 2), (1, 2)] 2" in out.stdout, out.stdout + out.stderr
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
