@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from . import data, models
+from . import data, memory, models
 from .launch import launch, rank, world_size
 
 
@@ -102,9 +102,14 @@ def train_worker(cfg: TrainConfig, progress=None) -> dict:
         else:
             batch = dataset.batch(step, cfg.batch_size, r, n)
         batch = tuple(t.to(_device()) for t in batch)
-        _, loss = models.gpt_loss(engine, batch)
-        engine.backward(loss)
-        skipped += not engine.step()
+        last = step == cfg.steps - 1
+        with memory.PeakMemory(_device()) if last else _nothing() as peak:  # measure the last step
+            _, loss = models.gpt_loss(engine, batch)
+            engine.backward(loss)
+            skipped += not engine.step()
+        if last:
+            report = engine.memory_report()  # before zero_grad, while gradients are held
+            report["peak"] = peak.peak
         engine.zero_grad()
         losses.append(loss.item())
         if progress is not None and r == 0:
@@ -117,8 +122,16 @@ def train_worker(cfg: TrainConfig, progress=None) -> dict:
         bar.close()
     tokens = cfg.steps * cfg.batch_size * n * model_cfg.block_size
     return {"rank": r, "losses": losses, "skipped": skipped, "seconds": elapsed,
-            "tokens_per_s": tokens / elapsed, "memory": engine.memory_report(),
+            "tokens_per_s": tokens / elapsed, "memory": report,
             "bytes_sent": engine.comm.bytes(), "params": models.num_params(model)}
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
 
 
 def _device():
@@ -175,7 +188,8 @@ def format_report(cfg: TrainConfig, results: list) -> str:
         + (f", {r0['skipped']} step(s) skipped on overflow" if r0['skipped'] else ""),
         f"  speed: {sum(r['tokens_per_s'] for r in results) / len(results):,.0f} tokens/s "
         f"(whole job), {r0['seconds'] / cfg.steps * 1e3:.1f} ms per step",
-        "  rank   params      grads       optimizer   total       peak/step   bytes sent",
+        "  measured per rank (peak: allocated during the last step, above what it started with):",
+        "  rank   params        grads         optimizer     total         peak/step     bytes sent",
     ]
     for r in results:
         m = r["memory"]

@@ -1,0 +1,57 @@
+"""python -m zerolab train: a whole run from the shell, plain and under torchrun."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(args, **kw):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=240, env=env, **kw)
+
+
+def _losses(stdout):
+    line = next(l for l in stdout.splitlines() if l.strip().startswith("loss:"))
+    first, last = line.split("first")[1].split(", last")
+    return float(first), float(last.split(",")[0])
+
+
+def test_train_reports_and_plots(tmp_path):
+    png = tmp_path / "loss.png"
+    out = _run(["-m", "zerolab", "train", "--world-size", "2", "--steps", "4", "--size", "nano",
+                "--plot", str(png), "--no-progress"])
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "strategy=single" in text and "world size 2" in text and "tokens/s" in text
+    rows = [l.split() for l in text.splitlines() if l.strip()[:1].isdigit() and "MiB" in l]
+    assert [r[0] for r in rows] == ["0", "1"], "one memory line per rank"
+    first, last = _losses(text)
+    assert last < first, "four AdamW steps on the corpus lower the loss"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--strategy", "zero9"], "invalid choice: 'zero9'"),
+    (["--size", "huge"], "invalid choice: 'huge'"),
+    (["--precision", "fp64"], "invalid choice: 'fp64'"),
+    (["--steps", "0"], "steps must be >= 1"),
+])
+def test_train_rejects_bad_arguments_with_usage(args, words):
+    out = _run(["-m", "zerolab", "train", *args, "--no-progress"])
+    assert out.returncode == 2
+    assert words in out.stderr
+
+
+def test_train_under_torchrun(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = _run(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                "--master-port", str(port), "-m", "zerolab", "train", "--steps", "3", "--size", "nano",
+                "--plot", str(tmp_path / "l.png"), "--no-progress"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("zerolab train:") == 1, "only rank 0 prints the report"
+    assert "world size 2" in out.stdout
