@@ -1,0 +1,221 @@
+"""Figures (and one widget) for chapters 1 and 2. Every number drawn is computed here or
+passed in from a real run; nothing is typed in by hand."""
+
+from __future__ import annotations
+
+import math
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.patches import FancyBboxPatch
+
+from . import numerics as N
+
+COLORS = {"fp32": "tab:blue", "fp16": "tab:red", "bf16": "tab:green", "e4m3": "tab:purple",
+          "e5m2": "tab:orange", "naive fp16": "tab:gray"}
+FIELD_COLORS = {"sign": "#f4a6a6", "exponent": "#a6c8f4", "mantissa": "#b8e6b0"}
+
+
+# ------------------------------------------------------------------ chapter 1
+
+
+def draw_bits(ax, value: float, fmt: str, y: float = 0.0):
+    """One row of boxes: the bits of `value` rounded to `fmt`, coloured by field."""
+    f = N.get_format(fmt)
+    b = N.decompose(value, f)
+    bits = format(N.to_bits(value, f), f"0{f.bits}b")
+    for i, ch in enumerate(bits):
+        field = "sign" if i == 0 else ("exponent" if i <= f.exponent_bits else "mantissa")
+        ax.add_patch(plt.Rectangle((i, y), 0.95, 0.8, color=FIELD_COLORS[field]))
+        ax.text(i + 0.47, y + 0.4, ch, ha="center", va="center", fontsize=8, family="monospace")
+    ax.text(-0.5, y + 0.4, f"{f.name}", ha="right", va="center", fontsize=9)
+    ax.text(f.bits + 0.5, y + 0.4, f"= {b.value:.10g}  ({b.kind})", ha="left", va="center", fontsize=9)
+
+
+def plot_bits(value: float, formats=N.NAMES):
+    """The same number stored in every format, one row each."""
+    fig, ax = plt.subplots(figsize=(11, 0.55 * len(formats) + 0.8))
+    for row, fmt in enumerate(formats):
+        draw_bits(ax, value, fmt, y=len(formats) - 1 - row)
+    for field, c in FIELD_COLORS.items():
+        ax.plot([], [], "s", color=c, label=field, markersize=10)
+    ax.legend(loc="upper right", bbox_to_anchor=(1.0, 1.25), ncol=3, frameon=False, fontsize=9)
+    ax.set_xlim(-4, 50)
+    ax.set_ylim(-0.3, len(formats))
+    ax.axis("off")
+    ax.set_title(f"{value!r} stored in each format", loc="left", fontsize=10)
+    return fig
+
+
+def bit_toggler(fmt: str = "fp16"):
+    """An ipywidgets bit toggler: click bits, see the value (needs a live kernel)."""
+    import ipywidgets as w
+
+    f = N.get_format(fmt)
+    start = format(N.to_bits(1.0, f), f"0{f.bits}b")
+    buttons = [w.ToggleButton(value=ch == "1", description=ch,
+                              layout=w.Layout(width="32px", padding="0px"),
+                              style={"button_color": FIELD_COLORS["sign" if i == 0 else
+                                                                  "exponent" if i <= f.exponent_bits
+                                                                  else "mantissa"]})
+               for i, ch in enumerate(start)]
+    label = w.HTML()
+
+    def refresh(_=None):
+        bits = 0
+        for bt in buttons:
+            bt.description = "1" if bt.value else "0"
+            bits = (bits << 1) | int(bt.value)
+        b = N.decompose(N.from_bits(bits, f), f) if not math.isnan(N.from_bits(bits, f)) else None
+        value = N.from_bits(bits, f)
+        kind = b.kind if b else "nan"
+        label.value = f"<code>{f.name}</code> bits <code>{bits:0{f.bits}b}</code> = <b>{value!r}</b> ({kind})"
+
+    for bt in buttons:
+        bt.observe(refresh, "value")
+    refresh()
+    return w.VBox([w.HBox(buttons), label])
+
+
+def plot_spacing(formats=N.NAMES):
+    """Spacing (ulp) against magnitude for every format, on one log-log figure."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for fmt in formats:
+        lo, hi = N.smallest_subnormal(fmt), N.largest(fmt)
+        xs = np.logspace(math.log10(lo), math.log10(hi), 2000)
+        ys = [N.ulp(float(x), fmt) for x in xs]
+        ax.loglog(xs, ys, color=COLORS[fmt], label=f"{fmt} (eps {N.eps(fmt):.1e})", lw=1.5)
+        ax.plot([N.smallest_normal(fmt)], [N.ulp(N.smallest_normal(fmt), fmt)], "o", color=COLORS[fmt], ms=4)
+    ax.axvline(1.0, color="k", lw=0.5, ls=":")
+    ax.axhline(1e-5, color="k", lw=0.5, ls="--")
+    ax.text(1.5, 1.5e-5, "update 1e-5", fontsize=8)
+    ax.set_xlabel("magnitude |x|")
+    ax.set_ylabel("spacing to the next value (ulp)")
+    ax.set_title("Spacing grows with magnitude; flat at the left = subnormals (dots: smallest normal)",
+                 fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(True, which="major", alpha=0.3)
+    return fig
+
+
+def plot_range(formats=N.NAMES):
+    """Each format's representable magnitudes as a bar: subnormal part lighter."""
+    fig, ax = plt.subplots(figsize=(8, 2.8))
+    for i, fmt in enumerate(formats):
+        sub, nor, big = (math.log10(N.smallest_subnormal(fmt)), math.log10(N.smallest_normal(fmt)),
+                         math.log10(N.largest(fmt)))
+        ax.barh(i, nor - sub, left=sub, color=COLORS[fmt], alpha=0.35)
+        ax.barh(i, big - nor, left=nor, color=COLORS[fmt])
+        ax.text(big + 1, i, f"{N.dynamic_range(fmt):.0f} decades", va="center", fontsize=8)
+    ax.set_yticks(range(len(formats)), formats)
+    ax.set_xlabel("log10 |x|  (light: subnormal)")
+    ax.set_xlim(-48, 50)
+    ax.axvline(0, color="k", lw=0.5)
+    ax.set_title("Dynamic range", fontsize=10)
+    return fig
+
+
+def plot_gradient_underflow(grad_abs, scales=(1.0, 2.0**8, 2.0**16)):
+    """Histogram of log2 |gradient| with fp16's limits, before and after loss scaling."""
+    g = np.asarray(grad_abs, dtype=np.float64)
+    g = g[g > 0]
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    bins = np.arange(-45, 20, 1.0)
+    for s, alpha in zip(scales, (0.8, 0.5, 0.35)):
+        ax.hist(np.log2(g * s), bins=bins, alpha=alpha, label=f"gradients x {s:g}")
+    for x, name in ((math.log2(N.smallest_subnormal("fp16")), "fp16 smallest subnormal"),
+                    (math.log2(N.smallest_normal("fp16")), "fp16 smallest normal"),
+                    (math.log2(N.largest("fp16")), "fp16 largest")):
+        ax.axvline(x, color="k", ls="--", lw=0.8)
+        ax.text(x + 0.3, ax.get_ylim()[1] * 0.9, name, rotation=90, va="top", fontsize=7)
+    ax.set_xlabel("log2 |gradient|")
+    ax.set_ylabel("elements")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.set_title("Loss scaling shifts the gradient histogram into fp16's range", fontsize=10)
+    return fig
+
+
+# ------------------------------------------------------------------ chapter 2
+
+
+def plot_protocol():
+    """The canonical mixed-precision protocol as a data-flow figure."""
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    ax.axis("off")
+    ax.set_xlim(0, 10)
+    ax.set_ylim(0, 4.4)
+    ax.add_patch(plt.Rectangle((0.1, 2.35), 9.8, 1.95, color="#fdebd0", zorder=0))
+    ax.add_patch(plt.Rectangle((0.1, 0.1), 9.8, 1.95, color="#d6eaf8", zorder=0))
+    ax.text(0.2, 4.1, "low precision (fp16 / bf16): 2 + 2 bytes per parameter", fontsize=9, weight="bold")
+    ax.text(0.2, 0.25, "fp32: 4 + 4 + 4 bytes per parameter (the paper's K = 12)", fontsize=9, weight="bold")
+
+    def box(x, y, text, w=1.9):
+        ax.add_patch(FancyBboxPatch((x, y), w, 0.8, boxstyle="round,pad=0.05", fc="white", ec="k"))
+        ax.text(x + w / 2, y + 0.4, text, ha="center", va="center", fontsize=8.5)
+
+    def arrow(x0, y0, x1, y1, text=""):
+        ax.annotate("", (x1, y1), (x0, y0), arrowprops=dict(arrowstyle="->", lw=1.3))
+        if text:
+            ax.text((x0 + x1) / 2 + 0.05, (y0 + y1) / 2 + 0.08, text, fontsize=8, color="darkred")
+
+    box(0.4, 3.0, "θ16 params")
+    box(3.2, 3.0, "forward\n(x * scale for fp16 loss)", w=2.3)
+    box(6.6, 3.0, "g16 = ∇ loss\n(backward)")
+    box(6.6, 0.9, "g32 /= scale\ninf/nan? skip")
+    box(3.2, 0.9, "Adam on θ32\nm32, v32", w=2.3)
+    box(0.4, 0.9, "θ32 master")
+    arrow(2.3, 3.4, 3.2, 3.4, "1 forward")
+    arrow(5.5, 3.4, 6.6, 3.4, "2 backward")
+    arrow(7.55, 3.0, 7.55, 1.7, "3 cast to fp32")
+    arrow(6.6, 1.3, 5.5, 1.3, "4 unscale, check")
+    arrow(3.2, 1.3, 2.3, 1.3, "5 update")
+    arrow(1.35, 1.7, 1.35, 3.0, "6 refresh: cast to 16 bits")
+    return fig
+
+
+def plot_four_ways(runs: dict, smooth_k: int = 10):
+    """Loss of the four runs on one figure, and the fp16 loss scale with skipped steps."""
+    from .mixed_precision_demo import smooth
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [3, 2]})
+    styles = {"fp32": "-", "naive fp16": "-", "fp16": "--", "bf16": ":"}
+    for kind, r in runs.items():
+        ax.plot(smooth(r["loss"], smooth_k), styles[kind], color=COLORS[kind], lw=1.8,
+                label=f"{kind}: final {np.mean(r['loss'][-smooth_k:]):.3f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"loss ({smooth_k}-step mean)")
+    ax.set_title("Same seed, same batches, four precisions", fontsize=10)
+    ax.legend(fontsize=8)
+    r = runs["fp16"]
+    bx.semilogy(r["scale"], color=COLORS["fp16"], drawstyle="steps-post", label="loss scale")
+    skipped = [i for i, a in enumerate(r["applied"]) if not a]
+    bx.plot(skipped, [r["scale"][i] for i in skipped], "kx", label=f"skipped steps ({len(skipped)})")
+    bx.set_xlabel("step")
+    bx.set_title("fp16: dynamic loss scale (after each step)", fontsize=10)
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_scale_trajectory(scales, applied, title):
+    fig, ax = plt.subplots(figsize=(6, 2.8))
+    ax.semilogy(scales, drawstyle="steps-post")
+    bad = [i for i, a in enumerate(applied) if not a]
+    ax.plot(bad, [scales[i] for i in bad], "kx", ms=4, label="skipped")
+    ax.set_xlabel("step")
+    ax.set_ylabel("scale after the step")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_lost_updates(lrs, lost):
+    fig, ax = plt.subplots(figsize=(5.5, 3))
+    ax.semilogx(lrs, [100 * x for x in lost], "o-", color=COLORS["naive fp16"])
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("% of updates lost")
+    ax.set_title("Naive fp16: updates that rounding erased", fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
