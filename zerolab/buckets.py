@@ -1,0 +1,156 @@
+"""Flat, padded, contiguous buckets: the memory layout every zerolab engine shares.
+
+Communicating one small tensor at a time wastes time on per-message latency, so engines
+group parameters into buckets of about `bucket_bytes`, and give each bucket ONE flat buffer:
+
+    bucket.data   [ p3 | p2 | p1 | pad ]    every parameter's .data is a view into it
+    bucket.grad   [ g3 | g2 | g1 | pad ]    every parameter's .grad is a view into it
+
+so a whole bucket is reduced with one collective and no copies. Three choices:
+
+* Buckets follow the REVERSE of the forward order (approximated, as PyTorch DDP does, by the
+  reverse of model.parameters()): backward produces the last layer's gradients first, so the
+  first bucket fills first and its communication can start while backward goes on.
+* Each buffer is padded with zeros to a multiple of the world size, so it splits into N
+  equal contiguous shards: rank r owns `bucket.shard(r)`. ZeRO keeps its fp32 master copy
+  and optimizer state for that shard only, and reduce-scatter / all-gather need no copies.
+* A tied weight is one tensor, so it appears once (model.parameters() deduplicates it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Bucket:
+    """A group of parameters that live in one flat buffer (and their gradients in another)."""
+
+    def __init__(self, index: int, params, world_size: int):
+        self.index = index
+        self.params = list(params)
+        self.world_size = world_size
+        self.sizes = [p.numel() for p in self.params]
+        self.offsets = []
+        total = 0
+        for n in self.sizes:
+            self.offsets.append(total)
+            total += n
+        self.numel = total                                         # real elements
+        self.padded_numel = -(-total // world_size) * world_size   # a multiple of N
+        self.data: torch.Tensor | None = None
+        self.grad: torch.Tensor | None = None
+        self._grad_views: list = []
+
+    def views(self, flat: torch.Tensor) -> list:
+        """Per-parameter views into a flat buffer with this bucket's layout."""
+        return [flat[o:o + n].view(p.shape) for p, o, n in zip(self.params, self.offsets, self.sizes)]
+
+    def shard(self, rank: int) -> slice:
+        """The contiguous slice of the padded buffer that rank `rank` owns."""
+        size = self.padded_numel // self.world_size
+        return slice(rank * size, (rank + 1) * size)
+
+    def flat_copy(self, dtype=None) -> torch.Tensor:
+        """A new padded flat buffer holding the parameters' current values (padding = 0)."""
+        p0 = self.params[0]
+        flat = torch.zeros(self.padded_numel, dtype=dtype or p0.dtype, device=p0.device)
+        with torch.no_grad():
+            for view, p in zip(self.views(flat), self.params):
+                view.copy_(p.detach())
+        return flat
+
+    def bind_params(self) -> None:
+        """Move the parameters into one flat buffer: afterwards each p.data is a view into it."""
+        self.data = self.flat_copy()
+        for view, p in zip(self.views(self.data), self.params):
+            p.data = view
+
+    def bind_grads(self, dtype=None) -> None:
+        """Allocate the flat gradient buffer and make each p.grad a view into it."""
+        self.grad = torch.zeros(self.padded_numel, dtype=dtype or self.params[0].dtype,
+                                device=self.params[0].device)
+        self._grad_views = self.views(self.grad)
+        self.attach_grads()
+
+    def attach_grads(self) -> None:
+        """(Re)point every p.grad at its view of the flat gradient buffer."""
+        for view, p in zip(self._grad_views, self.params):
+            p.grad = view
+
+    def grad_view(self, position: int) -> torch.Tensor:
+        return self._grad_views[position]
+
+    def __repr__(self):
+        return (f"Bucket({self.index}, params={len(self.params)}, numel={self.numel}, "
+                f"padded={self.padded_numel})")
+
+
+def bucket_order(model: torch.nn.Module) -> list:
+    """Trainable parameters in reverse forward order (each tied weight once)."""
+    return [p for p in model.parameters() if p.requires_grad][::-1]
+
+
+class FlatBuckets:
+    """Split `params` (already in bucket order) into buckets of at most ~bucket_bytes each.
+
+        fb = FlatBuckets(bucket_order(model), bucket_bytes=25 * 2**20, world_size=4)
+        fb.bind_params(); fb.bind_grads()     # parameters and gradients become views
+        fb.buckets[0].grad                    # one flat buffer to all-reduce / reduce-scatter
+        fb.where[p]                           # (bucket index, position in bucket)
+
+    A parameter larger than bucket_bytes gets a bucket of its own. The split depends only
+    on the parameters' sizes and dtype, so every rank builds the same buckets.
+    """
+
+    def __init__(self, params, bucket_bytes: float, world_size: int):
+        params = list(params)
+        if not params:
+            raise ValueError("FlatBuckets: no parameters to put in buckets")
+        if not bucket_bytes > 0:
+            raise ValueError(f"FlatBuckets: bucket_bytes must be > 0, got {bucket_bytes!r}")
+        groups, current, current_bytes = [], [], 0
+        for p in params:
+            nbytes = p.numel() * p.element_size()
+            if current and current_bytes + nbytes > bucket_bytes:
+                groups.append(current)
+                current, current_bytes = [], 0
+            current.append(p)
+            current_bytes += nbytes
+        groups.append(current)
+        self.world_size = world_size
+        self.buckets = [Bucket(i, g, world_size) for i, g in enumerate(groups)]
+        self.where = {p: (b.index, i) for b in self.buckets for i, p in enumerate(b.params)}
+
+    @property
+    def params(self) -> list:
+        return [p for b in self.buckets for p in b.params]
+
+    @property
+    def numel(self) -> int:
+        return sum(b.numel for b in self.buckets)
+
+    @property
+    def padded_numel(self) -> int:
+        return sum(b.padded_numel for b in self.buckets)
+
+    def bind_params(self) -> None:
+        for b in self.buckets:
+            b.bind_params()
+
+    def bind_grads(self, dtype=None) -> None:
+        for b in self.buckets:
+            b.bind_grads(dtype)
+
+    def attach_grads(self) -> None:
+        for b in self.buckets:
+            b.attach_grads()
+
+    def zero_grads(self) -> None:
+        for b in self.buckets:
+            b.grad.zero_()
+
+    def __len__(self):
+        return len(self.buckets)
+
+    def __repr__(self):
+        return f"FlatBuckets({len(self.buckets)} buckets, numel={self.numel}, padded={self.padded_numel})"

@@ -1,0 +1,403 @@
+"""Data parallelism: every rank holds the whole model and averages gradients with all-reduce.
+
+    engine = zl.DDP(model, partial(torch.optim.AdamW, lr=3e-4), precision="bf16", bucket_mb=25)
+    logits, loss = zl.models.gpt_loss(engine, batch)    # this rank's share of the global batch
+    engine.backward(loss)                               # gradients are averaged over ranks here
+    engine.step()                                       # every rank takes the same step
+
+Two versions, so chapter 5 can compare them:
+
+* NaiveDDP: after backward, one blocking all-reduce per parameter. Simple, and slow: many
+  small messages, and the network sits idle during the whole backward.
+* DDP: gradients land in flat bucket buffers (zerolab.buckets: p.grad is a view into
+  bucket.grad). Buckets follow the reverse forward order, so the first one fills first; as
+  soon as a bucket's last gradient is accumulated (a post-accumulate-grad hook) it is
+  all-reduced asynchronously while backward continues. An end-of-backward callback
+  launches any bucket still waiting (parameters the backward never reached) and waits for
+  them all. Buckets are always launched in index order, so every rank issues the same
+  collectives in the same order and nothing can deadlock.
+
+Each rank sends 2 (N-1)/N of the gradient bytes per step: the paper's "2 Psi".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+
+import torch
+
+from .buckets import FlatBuckets, bucket_order
+from .comm import Ledger
+from .launch import world_size as _world_size
+from .memory import PeakMemory, live_bytes, optimizer_tensors
+from .precision import MixedPrecision, clip_grad_norm_
+from .single import build_optimizer
+
+
+# ------------------------------------------------------------------ checks at construction
+
+
+def _check_args(model, bucket_mb, max_grad_norm):
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0 \
+            or not math.isfinite(bucket_mb):
+        raise ValueError(f"bucket_mb must be a number > 0 (megabytes per bucket), got {bucket_mb!r}")
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not
+                                      isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm must be None or a number > 0; got {max_grad_norm!r}")
+    devices = {}
+    for name, p in model.named_parameters():
+        devices.setdefault(p.device, name)
+    if len(devices) > 1:
+        where = ", ".join(f"{name!r} on {dev}" for dev, name in devices.items())
+        raise ValueError(f"all parameters must be on one device; found {where}. Move the model "
+                         "with model.to(zl.device()) before wrapping it.")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the model has no trainable parameters (every parameter has "
+                         "requires_grad=False): there is nothing for data parallelism to train")
+
+
+def _signature(model) -> list:
+    """(name, one int per parameter) describing every parameter's name, shape and dtype."""
+    rows = []
+    for name, p in model.named_parameters():
+        text = f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}"
+        rows.append((f"{name} {tuple(p.shape)} {str(p.dtype).replace('torch.', '')}"
+                     f"{'' if p.requires_grad else ' frozen'}", zlib.crc32(text.encode())))
+    return rows
+
+
+def check_same_model(model, ledger: Ledger) -> None:
+    """Raise on every rank, naming the first parameter where some rank differs from rank 0.
+
+    All ranks take part in the same three collectives whatever they find, so a mismatch
+    ends the job with an error instead of a hang.
+    """
+    rows = _signature(model)
+    length = torch.tensor([len(rows)], dtype=torch.int64)
+    ledger.all_reduce(length, op="max", tag="setup")
+    n = int(length.item())
+    mine = torch.full((n,), -1, dtype=torch.int64)
+    mine[:len(rows)] = torch.tensor([h for _, h in rows], dtype=torch.int64)
+    ref = mine.clone()
+    ledger.broadcast(ref, src=0, tag="setup")
+    differs = (mine != ref).nonzero()
+    first = torch.tensor([int(differs[0]) if len(differs) else n], dtype=torch.int64)
+    ledger.all_reduce(first, op="min", tag="setup")
+    i = int(first.item())
+    if i < n:
+        here = rows[i][0] if i < len(rows) else "(no parameter)"
+        raise ValueError(f"the ranks' models differ: parameter #{i} is {here} on this rank but "
+                         f"not the same on some rank (compared with rank 0). Every rank must "
+                         f"build the same model.")
+
+
+def broadcast_from_rank0(tensors, ledger: Ledger) -> None:
+    """Copy rank 0's values into `tensors` on every rank, one broadcast per dtype."""
+    by_dtype: dict = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for dtype, ts in by_dtype.items():
+            flat = torch.cat([t.reshape(-1) for t in ts])
+            ledger.broadcast(flat, src=0, tag="setup")
+            for t, chunk in zip(ts, flat.split([t.numel() for t in ts])):
+                t.copy_(chunk.view_as(t))
+
+
+# ------------------------------------------------------------------ the engines
+
+
+class NaiveDDP:
+    """Data parallelism the obvious way: after backward, all-reduce each gradient, one by one."""
+
+    def __init__(self, model: torch.nn.Module, optimizer, *, precision="fp32", max_grad_norm=None,
+                 scaler=None, track_peak: bool = True):
+        _check_args(model, 1.0, max_grad_norm)
+        self.comm = Ledger()
+        self.precision = MixedPrecision(precision, scaler=scaler, ledger=self.comm)
+        self.world_size = _world_size()
+        self.model = model
+        self.max_grad_norm = max_grad_norm
+        self.track_peak = track_peak
+        self.steps = 0
+        self.last_peak = 0
+        self.last_grad_norm = None
+        self._sync = True
+        self._reduced = False   # gradients of a synced backward are waiting for step()
+
+        check_same_model(model, self.comm)
+        # ranks start identical: rank 0's parameters and buffers (frozen ones too)
+        broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), self.comm)
+
+        self.params = bucket_order(model)
+        self._setup_storage()
+        # the optimizer sees the parameters in model.parameters() order, like a single process
+        self.optimizer = build_optimizer(optimizer, self.masters[::-1], precision)
+
+    # -------------------------------------------------------------- layout (DDP overrides)
+    def _setup_storage(self):
+        if self.precision.policy.needs_master:
+            self.masters = [p.detach().clone().float() for p in self.params]
+            self.model.to(self.precision.compute_dtype)
+        else:
+            self.masters = self.params
+
+    def _reduce_after_backward(self):
+        # Which parameters did any rank reach? One no rank reached keeps grad None (the
+        # optimizer skips it, as in a single process); the others are reduced by every rank.
+        used = torch.tensor([float(p.grad is not None) for p in self.params])
+        self.comm.all_reduce(used, op="max", tag="used")
+        for p, u in zip(self.params, used.tolist()):
+            if u == 0.0:
+                continue
+            if p.grad is None:  # reached on another rank only: this rank contributes zeros
+                p.grad = torch.zeros_like(p)
+            p.grad.div_(self.world_size)  # gloo has no AVG: divide, then sum
+            self.comm.all_reduce(p.grad, tag="grad")
+
+    def _grads_to_masters(self):
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+
+    def _masters_to_params(self):
+        for p, m in zip(self.params, self.masters):
+            p.copy_(m)
+
+    # -------------------------------------------------------------- forward and backward
+    def __call__(self, *inputs):
+        dtype = self.precision.compute_dtype
+        inputs = [x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                  for x in inputs]
+        return self.model(*inputs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients over micro-batches without communicating.
+
+        The backward after the block (outside it) reduces the accumulated sum once.
+        """
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward() (scaled in fp16), then average the gradients over ranks."""
+        if self._reduced:
+            raise RuntimeError(
+                "backward() called twice without step() or zero_grad() in between: the "
+                "gradients of the first backward were already averaged over ranks. To "
+                "accumulate over micro-batches, run all but the last backward inside "
+                "`with engine.no_sync():`.")
+        self._backward(self.precision.scale_loss(loss, step=self.steps))
+        if self._sync:
+            self._reduced = True
+
+    def _backward(self, loss):
+        loss.backward()
+        if self._sync:
+            self._reduce_after_backward()
+
+    # -------------------------------------------------------------- the step
+    def step(self) -> bool:
+        """Unscale, check, clip, update, refresh. False (nothing changed) on an fp16 overflow."""
+        if self.track_peak:
+            with PeakMemory("cpu") as peak:
+                applied = self._step()
+            self.last_peak = peak.peak
+        else:
+            applied = self._step()
+        self.steps += 1
+        self._reduced = False
+        return applied
+
+    @torch.no_grad()
+    def _step(self) -> bool:
+        mixed = self.precision.policy.needs_master
+        if mixed:
+            self._grads_to_masters()
+        grads = [m.grad for m in self.masters if m.grad is not None]
+        # gradients are identical on every rank after the all-reduce, so every rank's verdict
+        # is the same; the precision component still agrees through the ledger (fp16)
+        ok = self.precision.unscale_and_check(grads)
+        if not ok:
+            self.precision.update(found_inf=True)
+            self._drop_master_grads()
+            return False
+        if self.max_grad_norm is not None:
+            # full (replicated) gradients: the local norm is the global norm, no communication
+            self.last_grad_norm = clip_grad_norm_(grads, self.max_grad_norm)
+        self.optimizer.step()
+        if mixed:
+            self._masters_to_params()
+        self._drop_master_grads()
+        self.precision.update(found_inf=False)
+        return True
+
+    def _drop_master_grads(self):
+        if self.masters is not self.params:
+            for m in self.masters:
+                m.grad = None
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        self._drop_master_grads()
+        self._reduced = False
+
+    # -------------------------------------------------------------- state and memory
+    def _master_of(self) -> dict:
+        return {id(p): m for p, m in zip(self.params, self.masters)}
+
+    def full_state_dict(self) -> dict:
+        """fp32 tensors on CPU, same keys as model.state_dict(); params come from the masters."""
+        master_of = self._master_of()
+        converted: dict = {}
+        out = {}
+        for key, t in self.model.state_dict(keep_vars=True).items():
+            if id(t) not in converted:
+                src = master_of.get(id(t), t).detach()
+                converted[id(t)] = src.float().cpu().clone() if src.is_floating_point() else src.cpu().clone()
+            out[key] = converted[id(t)]
+        return out
+
+    def _master_tensors(self) -> list:
+        return self.masters if self.masters is not self.params else []
+
+    def memory_report(self) -> dict:
+        """MEASURED bytes on this rank: params, grads, optimizer (fp32 masters + moments), total, peak."""
+        params = list(self.model.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        opt = list(self._master_tensors()) + optimizer_tensors(self.optimizer)
+        out = {"params": live_bytes(params), "grads": live_bytes(grads, exclude=params),
+               "optimizer": live_bytes(opt, exclude=params + grads)}
+        out["total"] = out["params"] + out["grads"] + out["optimizer"]
+        out["peak"] = self.last_peak
+        return out
+
+
+class DDP(NaiveDDP):
+    """Bucketed data parallelism whose all-reduces overlap the backward pass.
+
+    overlap=False keeps the buckets but launches them all at the end of backward (chapter 5
+    uses it to show what overlap buys).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer, *, precision="fp32", bucket_mb=25.0,
+                 max_grad_norm=None, scaler=None, track_peak: bool = True, overlap: bool = True):
+        _check_args(model, bucket_mb, max_grad_norm)
+        self.bucket_mb = float(bucket_mb)
+        self.overlap = overlap
+        super().__init__(model, optimizer, precision=precision, max_grad_norm=max_grad_norm,
+                         scaler=scaler, track_peak=track_peak)
+
+    def _setup_storage(self):
+        mixed = self.precision.policy.needs_master
+        dtype = self.precision.compute_dtype
+        # bucket sizes count bytes in the dtype that is communicated (the compute dtype)
+        elem = torch.empty((), dtype=dtype).element_size()
+        scale = elem / self.params[0].element_size()
+        self.buckets = FlatBuckets(self.params, self.bucket_mb * 2**20 / scale, self.world_size)
+        if mixed:
+            # fp32 masters in the same flat layout, taken from the exact fp32 values
+            self.master_flats = [b.flat_copy(torch.float32) for b in self.buckets.buckets]
+            self.masters = [v for b, f in zip(self.buckets.buckets, self.master_flats) for v in b.views(f)]
+            self.model.to(dtype)
+        else:
+            self.master_flats = None
+            self.masters = None
+        self.buckets.bind_params()
+        self.buckets.bind_grads()
+        self.params = self.buckets.params     # same order as the masters
+        if not mixed:
+            self.masters = self.params
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        self._unused = set()    # positions of params no rank reached in the last backward
+        self._reset_backward_state()
+
+    def _reset_backward_state(self):
+        self._ready = [set() for _ in self.buckets.buckets]   # ids of params whose grad is in
+        self._next = 0               # the next bucket to launch: always in index order
+        self._handles = []
+        self._callback_queued = False
+
+    # -------------------------------------------------------------- the reduction
+    def _on_grad_ready(self, p):
+        if not self._sync:
+            return  # no_sync: gradients just accumulate in the buckets
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
+        b, i = self.buckets.where[p]
+        bucket = self.buckets.buckets[b]
+        view = bucket.grad_view(i)
+        if p.grad is not None and p.grad is not view:  # p.grad was replaced: back into the bucket
+            if p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            p.grad = view
+        self._ready[b].add(id(p))
+        if self.overlap:
+            while (self._next < len(self._ready)
+                   and len(self._ready[self._next]) == len(self.buckets.buckets[self._next].params)):
+                self._launch(self._next)
+
+    def _launch(self, b):
+        bucket = self.buckets.buckets[b]
+        bucket.grad.div_(self.world_size)  # gloo has no AVG: divide, then sum
+        self._handles.append(self.comm.all_reduce(bucket.grad, async_op=True, tag=f"bucket{b}"))
+        self._next = b + 1
+
+    def _finish_backward(self):
+        # Buckets with a parameter the backward never reached are still waiting: launch them
+        # now, in order. Their missing gradients are zeros (or what no_sync accumulated).
+        while self._next < len(self.buckets.buckets):
+            self._launch(self._next)
+        # Which parameters did ANY rank reach? A parameter no rank reached keeps no gradient
+        # (grad None), so the optimizer leaves it alone, exactly as in a single process.
+        used = torch.tensor([float(id(p) in ready) for b, ready in zip(self.buckets.buckets, self._ready)
+                             for p in b.params])
+        self._handles.append(self.comm.all_reduce(used, op="max", async_op=True, tag="used"))
+        for h in self._handles:
+            h.wait()
+        self._unused = {i for i, u in enumerate(used.tolist()) if u == 0.0}
+        self._reset_backward_state()
+        self._finished = True
+        if self._unused and not self.precision.policy.needs_master:
+            for i in self._unused:
+                self.params[i].grad = None
+
+    def _backward(self, loss):
+        self._finished = False
+        loss.backward()
+        if self._sync and not self._finished:
+            # no trainable parameter was reached at all, so no hook queued the callback
+            self._finish_backward()
+
+    # -------------------------------------------------------------- flat copies for the step
+    def _grads_to_masters(self):
+        self._master_grad_flats = [b.grad.float() for b in self.buckets.buckets]
+        views = (v for b, f in zip(self.buckets.buckets, self._master_grad_flats) for v in b.views(f))
+        for i, (m, g) in enumerate(zip(self.masters, views)):
+            m.grad = None if i in self._unused else g
+
+    def _masters_to_params(self):
+        for b, f in zip(self.buckets.buckets, self.master_flats):
+            b.data.copy_(f)  # one cast-and-copy per bucket
+
+    def _drop_master_grads(self):
+        super()._drop_master_grads()
+        self._master_grad_flats = None
+
+    def zero_grad(self) -> None:
+        self._unused = set()
+        self.buckets.zero_grads()
+        self.buckets.attach_grads()  # p.grad stays a view into its bucket
+        self._drop_master_grads()
+        self._reduced = False
+
+    def _master_tensors(self) -> list:
+        return self.master_flats or []
