@@ -77,9 +77,20 @@ def bit_toggler(fmt: str = "fp16"):
     return w.VBox([w.HBox(buttons), label])
 
 
-def plot_spacing(formats=N.NAMES):
-    """Spacing (ulp) against magnitude for every format, on one log-log figure."""
-    fig, ax = plt.subplots(figsize=(8, 5))
+def plot_spacing(formats=N.NAMES, zoom=(1e-9, 1e6)):
+    """Spacing (ulp) against magnitude for every format, on one log-log figure (right: zoomed
+    to the magnitudes where weights, gradients and the 8- and 16-bit formats live)."""
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax in axes:
+        _spacing_axes(ax, formats)
+    axes[1].set_xlim(*zoom)
+    axes[1].set_ylim(1e-12, 1e4)
+    axes[1].set_title("zoomed in", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _spacing_axes(ax, formats):
     for fmt in formats:
         lo, hi = N.smallest_subnormal(fmt), N.largest(fmt)
         xs = np.logspace(math.log10(lo), math.log10(hi), 2000)
@@ -95,7 +106,6 @@ def plot_spacing(formats=N.NAMES):
                  fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(True, which="major", alpha=0.3)
-    return fig
 
 
 def plot_range(formats=N.NAMES):
@@ -155,8 +165,10 @@ def plot_protocol():
 
     def arrow(x0, y0, x1, y1, text=""):
         ax.annotate("", (x1, y1), (x0, y0), arrowprops=dict(arrowstyle="->", lw=1.3))
-        if text:
-            ax.text((x0 + x1) / 2 + 0.05, (y0 + y1) / 2 + 0.08, text, fontsize=8, color="darkred")
+        if text and y0 == y1:  # horizontal: label centred below the arrow
+            ax.text((x0 + x1) / 2, y0 - 0.25, text, fontsize=8, color="darkred", ha="center", va="top")
+        elif text:
+            ax.text(x0 + 0.08, (y0 + y1) / 2, text, fontsize=8, color="darkred", va="center")
 
     box(0.4, 3.0, "θ16 params")
     box(3.2, 3.0, "forward\n(x * scale for fp16 loss)", w=2.3)

@@ -97,8 +97,8 @@ def train(kind: str, steps: int, *, size="nano", batch_size=8, lr=1e-3, seed=0,
 
 
 def four_ways(steps: int = 120, *, growth_interval: int = 20, **kw) -> dict:
-    """The four runs of chapter 2, interleaved step by step would be fairer for timing, but
-    each run is short and they share one process, so they run one after another."""
+    """The four runs of chapter 2, one after another in this process (so their step times
+    are measured on the same machine in the same run)."""
     runs = {}
     for kind in ("fp32", "naive fp16", "fp16", "bf16"):
         scaler = LossScaler(growth_interval=growth_interval) if kind == "fp16" else None
