@@ -22,6 +22,8 @@ _LAZY = {
     "precision": ("zerolab.precision", None),
     "collectives": ("zerolab.collectives", None),
     "train": ("zerolab.train", None),
+    "single": ("zerolab.single", None),
+    "SingleProcess": ("zerolab.single", "SingleProcess"),
     "plots": ("zerolab.plots", None),
     "DDP": ("zerolab.ddp", "DDP"),
     "NaiveDDP": ("zerolab.ddp", "NaiveDDP"),
