@@ -99,14 +99,20 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A GPT language model: tokens (B, T) -> logits (B, T, vocab)."""
+    """A GPT language model: tokens (B, T) -> logits (B, T, vocab).
 
-    def __init__(self, cfg: GPTConfig):
+    `block` builds one transformer block from the config (tensor parallelism passes its own).
+    `run_block(block, x)` is how forward calls each block; activation checkpointing
+    (zerolab.checkpointing) replaces it to keep only each block's input.
+    """
+
+    def __init__(self, cfg: GPTConfig, block=Block):
         super().__init__()
         self.cfg = cfg
+        self.run_block = None
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
@@ -130,7 +136,7 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if self.run_block is None else self.run_block(block, x)
         return self.head(self.ln_f(x))
 
 
