@@ -65,10 +65,12 @@ class Bucket:
         for view, p in zip(self.views(self.data), self.params):
             p.data = view
 
-    def bind_grads(self, dtype=None) -> None:
-        """Allocate the flat gradient buffer and make each p.grad a view into it."""
-        self.grad = torch.zeros(self.padded_numel, dtype=dtype or self.params[0].dtype,
-                                device=self.params[0].device)
+    def bind_grads(self, dtype=None, out: torch.Tensor | None = None) -> None:
+        """Allocate the flat gradient buffer (or use `out`) and make each p.grad a view into it."""
+        if out is not None and (out.dim() != 1 or out.numel() != self.padded_numel):
+            raise ValueError(f"bind_grads: out must be a flat tensor of {self.padded_numel} elements")
+        self.grad = out if out is not None else torch.zeros(
+            self.padded_numel, dtype=dtype or self.params[0].dtype, device=self.params[0].device)
         self._grad_views = self.views(self.grad)
         self.attach_grads()
 

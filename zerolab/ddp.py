@@ -199,9 +199,12 @@ class NaiveDDP:
             self._reduced = True
 
     def _backward(self, loss):
+        self.last_backward = {"start": self.comm.now()}
         loss.backward()
+        self.last_backward["compute_end"] = self.comm.now()
         if self._sync:
             self._reduce_after_backward()
+        self.last_backward["end"] = self.comm.now()
 
     # -------------------------------------------------------------- the step
     def step(self) -> bool:
@@ -221,10 +224,10 @@ class NaiveDDP:
         mixed = self.precision.policy.needs_master
         if mixed:
             self._grads_to_masters()
-        grads = [m.grad for m in self.masters if m.grad is not None]
+        grads = self._step_grads()
         # gradients are identical on every rank after the all-reduce, so every rank's verdict
         # is the same; the precision component still agrees through the ledger (fp16)
-        ok = self.precision.unscale_and_check(grads)
+        ok = self._unscale_and_check(grads)
         if not ok:
             self.precision.update(found_inf=True)
             self._drop_master_grads()
@@ -238,6 +241,20 @@ class NaiveDDP:
         self._drop_master_grads()
         self.precision.update(found_inf=False)
         return True
+
+    def _unscale_and_check(self, grads) -> bool:
+        if self.precision.scaler is None:
+            # fp32/bf16: nothing to unscale, and a non-finite gradient is an error. One sum per
+            # tensor finds it (inf and nan propagate through a sum) at a fraction of the cost
+            # of isfinite over every element.
+            if not all(bool(torch.isfinite(g.sum())) for g in grads):
+                raise FloatingPointError(f"non-finite gradients in {self.precision.name} training")
+            return True
+        return self.precision.unscale_and_check(grads)
+
+    def _step_grads(self) -> list:
+        """The gradient tensors the step checks, unscales and clips."""
+        return [m.grad for m in self.masters if m.grad is not None]
 
     def _drop_master_grads(self):
         if self.masters is not self.params:
@@ -312,12 +329,28 @@ class DDP(NaiveDDP):
             self.masters = None
         self.buckets.bind_params()
         self.buckets.bind_grads()
+        # The last bucket's buffer carries one extra slot per parameter: "did this rank's
+        # backward reach it?". When the last bucket is launched every other bucket has been,
+        # so those flags are known, and the same all-reduce tells every rank which parameters
+        # NO rank reached (their gradients stay None, as in a single process) for free.
+        last = self.buckets.buckets[-1]
+        self._tail = torch.zeros(last.padded_numel + len(self.buckets.params), dtype=last.grad.dtype,
+                                 device=last.grad.device)
+        last.bind_grads(out=self._tail[:last.padded_numel])
         self.params = self.buckets.params     # same order as the masters
         if not mixed:
             self.masters = self.params
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self._unused = set()    # positions of params no rank reached in the last backward
+        self.last_backward = {}
         self._reset_backward_state()
+
+    def _stamp_finished(self):
+        # a Handle stamps its end time when waited on; checking in every hook stamps a
+        # finished all-reduce within one hook's time of when it really finished (timelines)
+        for h in self._handles:
+            if h.record.end is None and h.is_completed():
+                h.wait()
 
     def _reset_backward_state(self):
         self._ready = [set() for _ in self.buckets.buckets]   # ids of params whose grad is in
@@ -340,6 +373,8 @@ class DDP(NaiveDDP):
                 view.copy_(p.grad)
             p.grad = view
         self._ready[b].add(id(p))
+        if self._handles:
+            self._stamp_finished()
         if self.overlap:
             while (self._next < len(self._ready)
                    and len(self._ready[self._next]) == len(self.buckets.buckets[self._next].params)):
@@ -347,30 +382,39 @@ class DDP(NaiveDDP):
 
     def _launch(self, b):
         bucket = self.buckets.buckets[b]
-        bucket.grad.div_(self.world_size)  # gloo has no AVG: divide, then sum
-        self._handles.append(self.comm.all_reduce(bucket.grad, async_op=True, tag=f"bucket{b}"))
+        buf = bucket.grad
+        if b == len(self.buckets.buckets) - 1:   # the last one carries the "reached" flags
+            buf = self._tail
+            buf[bucket.padded_numel:] = torch.tensor(
+                [float(id(p) in ready) for bk, ready in zip(self.buckets.buckets, self._ready)
+                 for p in bk.params], dtype=buf.dtype)
+        buf.div_(self.world_size)  # gloo has no AVG: divide, then sum
+        self._handles.append(self.comm.all_reduce(buf, async_op=True, tag=f"bucket{b}"))
         self._next = b + 1
 
     def _finish_backward(self):
+        self.last_backward["compute_end"] = self.comm.now()   # autograd has no work left
         # Buckets with a parameter the backward never reached are still waiting: launch them
         # now, in order. Their missing gradients are zeros (or what no_sync accumulated).
         while self._next < len(self.buckets.buckets):
             self._launch(self._next)
-        # Which parameters did ANY rank reach? A parameter no rank reached keeps no gradient
-        # (grad None), so the optimizer leaves it alone, exactly as in a single process.
-        used = torch.tensor([float(id(p) in ready) for b, ready in zip(self.buckets.buckets, self._ready)
-                             for p in b.params])
-        self._handles.append(self.comm.all_reduce(used, op="max", async_op=True, tag="used"))
         for h in self._handles:
             h.wait()
-        self._unused = {i for i, u in enumerate(used.tolist()) if u == 0.0}
+        # A parameter no rank reached keeps no gradient (grad None), so the optimizer leaves
+        # it alone, exactly as in a single process.
+        reached = self._tail[self.buckets.buckets[-1].padded_numel:]
+        self._unused = set((reached == 0).nonzero().flatten().tolist())
         self._reset_backward_state()
         self._finished = True
+        self.last_backward["end"] = self.comm.now()
         if self._unused and not self.precision.policy.needs_master:
             for i in self._unused:
                 self.params[i].grad = None
 
     def _backward(self, loss):
+        # times on the ledger's clock, for timelines: backward start, end of autograd's
+        # work, end of the last all-reduce wait
+        self.last_backward = {"start": self.comm.now(), "compute_end": None, "end": None}
         self._finished = False
         loss.backward()
         if self._sync and not self._finished:
@@ -383,6 +427,13 @@ class DDP(NaiveDDP):
         views = (v for b, f in zip(self.buckets.buckets, self._master_grad_flats) for v in b.views(f))
         for i, (m, g) in enumerate(zip(self.masters, views)):
             m.grad = None if i in self._unused else g
+
+    def _step_grads(self) -> list:
+        # whole flat buffers: one isfinite / scale / norm per bucket instead of per parameter
+        # (their padding and unused slots are zeros, which change neither check nor norm)
+        if self.precision.policy.needs_master:
+            return self._master_grad_flats
+        return [b.grad for b in self.buckets.buckets]
 
     def _masters_to_params(self):
         for b, f in zip(self.buckets.buckets, self.master_flats):
