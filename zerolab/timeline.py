@@ -81,18 +81,22 @@ def plot_holdings(states, titles, ax_row=None, fmt="{:g}"):
         fig, ax_row = plt.subplots(1, n_panels, figsize=(2.6 * n_panels, 0.5 + 0.45 * len(states[0])))
         if n_panels == 1:
             ax_row = [ax_row]
+    values = [v for ranks in states for vals in ranks for v in vals if v is not None]
+    lo, hi = min(values), max(values)   # one colour scale for every panel
     for ax, ranks, title in zip(ax_row, states, titles):
         width = max(len(v) for v in ranks)
         grid = np.full((len(ranks), width), np.nan)
-        for r, values in enumerate(ranks):
-            for j, v in enumerate(values):
+        for r, vals in enumerate(ranks):
+            for j, v in enumerate(vals):
                 if v is not None:
                     grid[r, j] = v
-        ax.imshow(grid, cmap="YlGnBu", vmin=np.nanmin(grid) - 1, vmax=np.nanmax(grid) + 1, aspect="auto")
+        ax.imshow(grid, cmap="YlGnBu", vmin=lo - 0.1 * (hi - lo), vmax=hi + 0.3 * (hi - lo), aspect="auto")
         for r in range(grid.shape[0]):
             for j in range(grid.shape[1]):
                 if not np.isnan(grid[r, j]):
-                    ax.text(j, r, fmt.format(grid[r, j]), ha="center", va="center", fontsize=8)
+                    dark = grid[r, j] > lo + 0.55 * (hi - lo)
+                    ax.text(j, r, fmt.format(grid[r, j]), ha="center", va="center", fontsize=8,
+                            color="white" if dark else "black")
         ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in range(len(ranks))], fontsize=8)
         ax.set_xticks([])
         ax.set_title(title, fontsize=9)

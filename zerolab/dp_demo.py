@@ -1,0 +1,187 @@
+"""Worker functions that chapters 4 (collectives) and 5 (data parallelism) launch.
+
+Each returns plain Python values (lists, floats, dicts) so the notebook prints them in rank
+order. Nothing here prints.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from .collectives import naive_reduce, ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from .comm import Ledger
+from .data import CharDataset
+from .models import GPT, gpt_config, gpt_loss
+
+# ------------------------------------------------------------------ chapter 4
+
+
+def start_values(rank: int, numel: int = 4) -> torch.Tensor:
+    """Rank r starts with [10r+1, 10r+2, ...]: easy to follow by eye."""
+    return torch.arange(1, numel + 1, dtype=torch.float32) + 10 * rank
+
+
+def who_holds_what():
+    """Every collective on the same small tensors: what this rank holds before and after."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    led = Ledger()
+    out = {}
+    x = start_values(r, n)
+
+    t = x.clone()
+    led.broadcast(t, src=0)
+    out["broadcast"] = (x.tolist(), t.tolist())
+
+    t = x.clone()
+    naive_reduce(t, dst=0, ledger=led)      # only rank 0 ends up with the sum
+    out["reduce"] = (x.tolist(), t.tolist() if r == 0 else [None] * n)
+
+    t = x.clone()
+    led.all_reduce(t)
+    out["all_reduce"] = (x.tolist(), t.tolist())
+
+    shard = torch.empty(1)
+    led.reduce_scatter(shard, x.clone())
+    out["reduce_scatter"] = (x.tolist(), [None] * r + shard.tolist() + [None] * (n - r - 1))
+
+    mine = x[r:r + 1].clone()            # each rank starts with one piece
+    full = torch.empty(n)
+    led.all_gather(full, mine)
+    out["all_gather"] = ([None] * r + mine.tolist() + [None] * (n - r - 1), full.tolist())
+    return out
+
+
+def ring_steps():
+    """Ring all-reduce on 4 ranks, one element per chunk: this rank's buffer after every step."""
+    r = dist.get_rank()
+    record = []
+    x = start_values(r, dist.get_world_size())
+    before = x.tolist()
+    ring_all_reduce(x, Ledger(), record=record)
+    return [before] + [e["buffer"].tolist() for e in record], [(e["phase"], e["step"], e["sent"], e["received"])
+                                                                 for e in record]
+
+
+def ring_bytes_measured(numel: int):
+    """Bytes this rank sent in each hand-written ring collective, and whether it matched torch."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(r)
+    x = torch.randn(numel, generator=g)
+    out = {}
+
+    led = Ledger()
+    mine = ring_all_reduce(x.clone(), led)
+    ref = x.clone()
+    dist.all_reduce(ref)   # torch's own, as the reference
+    out["all_reduce"] = (led.bytes("send"), bool(torch.allclose(mine, ref, atol=1e-5)))
+
+    led = Ledger()
+    shard = ring_reduce_scatter(torch.empty(numel // n), x, led)
+    out["reduce_scatter"] = (led.bytes("send"), bool(torch.allclose(shard, ref.chunk(n)[r], atol=1e-5)))
+
+    led = Ledger()
+    full = ring_all_gather(torch.empty(numel), shard, led)
+    out["all_gather"] = (led.bytes("send"), bool(torch.allclose(full, ref, atol=1e-5)))
+    return out
+
+
+# ------------------------------------------------------------------ chapter 5
+
+
+def _gpt(size, seed=0):
+    torch.manual_seed(seed)
+    model = GPT(gpt_config(size))
+    return model, CharDataset(model.cfg.block_size)
+
+
+def _engine(mode, model, bucket_mb, precision="fp32"):
+    from .ddp import DDP, NaiveDDP
+    opt = partial(torch.optim.AdamW, lr=3e-4)
+    if mode == "naive":
+        return NaiveDDP(model, opt, precision=precision, track_peak=False)
+    return DDP(model, opt, precision=precision, bucket_mb=bucket_mb, track_peak=False,
+               overlap=(mode == "overlapped"))
+
+
+def timeline(mode: str, size: str = "small", batch: int = 4, bucket_mb: float = 1.0,
+             warmup: int = 2, steps: int = 3):
+    """Run a few steps; return the median step time and the last step's timeline (seconds)."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    model, data = _gpt(size)
+    eng = _engine(mode, model, bucket_mb)
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        eng.comm.reset()
+        t0 = eng.comm.now()
+        _, loss = gpt_loss(eng, data.batch(i, batch, r, n))
+        t1 = eng.comm.now()
+        eng.backward(loss)
+        t2 = eng.comm.now()
+        eng.step()
+        eng.zero_grad()
+        t3 = eng.comm.now()
+        if i >= warmup:
+            times.append(t3 - t0)
+    lb = eng.last_backward
+    compute = [(t0, t1, "forward"), (lb["start"], lb["compute_end"], "backward"), (t2, t3, "step")]
+    comm = [(c.start, c.end, c.tag) for c in eng.comm.records if c.tag.startswith(("bucket", "grad"))]
+    from .timeline import overlap_fraction
+    return {"step_s": statistics.median(times), "compute": compute, "comm": comm,
+            "calls": len(comm), "overlap": overlap_fraction(comm, lb["compute_end"]),
+            "wait_after_backward_s": lb["end"] - lb["compute_end"]}
+
+
+def bucket_sweep(sizes_mb, size: str = "small", batch: int = 4, steps: int = 3):
+    """Median step time of the overlapped DDP for each bucket size (one engine per size)."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = []
+    for mb in sizes_mb:
+        model, data = _gpt(size)
+        eng = _engine("overlapped", model, mb)
+        times = []
+        for i in range(steps + 1):
+            dist.barrier()
+            t = time.perf_counter()
+            _, loss = gpt_loss(eng, data.batch(i, batch, r, n))
+            eng.backward(loss)
+            eng.step()
+            eng.zero_grad()
+            if i:   # the first step warms up
+                times.append(time.perf_counter() - t)
+        out.append({"bucket_mb": mb, "buckets": len(eng.buckets.buckets), "step_s": statistics.median(times)})
+    return out
+
+
+def bytes_per_step(size: str = "small", batch: int = 2, bucket_mb: float = 1.0, precision: str = "fp32"):
+    """Bytes this rank sent in one training step, with the numbers the formula needs."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    model, data = _gpt(size)
+    eng = _engine("overlapped", model, bucket_mb, precision)
+    eng.comm.reset()
+    _, loss = gpt_loss(eng, data.batch(0, batch, r, n))
+    eng.backward(loss)
+    eng.step()
+    grad_bytes = sum(c.bytes_sent for c in eng.comm.records if c.tag.startswith("bucket"))
+    return {"psi": sum(p.numel() for p in model.parameters()), "padded": eng.buckets.padded_numel,
+            "flags": len(eng.params), "element_size": eng.buckets.buckets[0].grad.element_size(),
+            "bytes": grad_bytes, "other_bytes": eng.comm.bytes() - grad_bytes,
+            "calls": sum(1 for c in eng.comm.records if c.tag.startswith("bucket"))}
+
+
+def duplicated_memory(size: str = "small", precision: str = "bf16", batch: int = 2):
+    """engine.memory_report() after one step: what this rank holds."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    model, data = _gpt(size)
+    eng = _engine("overlapped", model, 25.0, precision)
+    _, loss = gpt_loss(eng, data.batch(0, batch, r, n))
+    eng.backward(loss)
+    eng.step()
+    report = eng.memory_report()
+    report["psi"] = sum(p.numel() for p in model.parameters())
+    return report
