@@ -19,6 +19,7 @@ what autograd keeps for the backward pass.
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -143,6 +144,26 @@ def saved_activation_bytes(fn, *args, exclude=(), **kwargs):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn(*args, **kwargs)
     return out, live_bytes(saved, exclude=list(exclude))
+
+
+def held_after(fn, *args, **kwargs):
+    """Run fn(*args) and return (its output, bytes allocated inside fn still alive after it).
+
+    Right after a forward pass this is what the forward left behind for backward (plus the
+    output itself), however it was kept: saved tensors, checkpoints, offloaded slices.
+    """
+    with AllocationTracker() as tracker:
+        out = fn(*args, **kwargs)
+    # A collective's backend thread (gloo's worker) may still hold a tensor for a moment after
+    # the collective returned; give it a few milliseconds to let go before reading the count.
+    last, steady = tracker.current, 0
+    for _ in range(100):
+        time.sleep(0.002)
+        steady = steady + 1 if tracker.current == last else 0
+        last = tracker.current
+        if steady >= 3:
+            break
+    return out, tracker.current
 
 
 # ------------------------------------------------------------------ measurement: peak of a region
