@@ -123,7 +123,8 @@ def test_allocation_tracker_sees_allocations_and_frees():
     assert tr.peak == 6000
     assert tr.current == 3000
     assert tr.allocations == 3
-    assert [delta for _, delta, _ in tr.trace] == [4000, 2000, -4000, 1000]
+    assert [e.delta for e in tr.trace] == [4000, 2000, -4000, 1000]
+    assert [e.block for e in tr.trace] == [1, 2, 1, 3], "the free names the allocation it undoes"
     del b, c, d
 
 

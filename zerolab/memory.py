@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -169,6 +170,15 @@ def held_after(fn, *args, **kwargs):
 # ------------------------------------------------------------------ measurement: peak of a region
 
 
+class TraceEvent(NamedTuple):
+    """One allocation (delta > 0) or free (delta < 0) of the storage numbered `block`."""
+
+    index: int
+    delta: int
+    op: str
+    block: int
+
+
 @dataclass
 class AllocationTracker(TorchDispatchMode):
     """Follows every storage an operation allocates inside a `with` block, and its release.
@@ -181,7 +191,7 @@ class AllocationTracker(TorchDispatchMode):
             loss = model(x).sum(); loss.backward(); opt.step()
         tr.peak      # the most bytes allocated inside the block at any moment
         tr.current   # bytes allocated inside the block and still alive
-        tr.trace     # [(event index, +bytes or -bytes, op name)]: the allocation/free trace
+        tr.trace     # [TraceEvent(index, +bytes or -bytes, op name, block id)]: allocations and frees
     """
 
     record_trace: bool = False
@@ -194,11 +204,11 @@ class AllocationTracker(TorchDispatchMode):
         super().__init__()
         self._live: dict = {}
 
-    def _freed(self, key):
+    def _freed(self, key, block):
         nbytes = self._live.pop(key, 0)
         self.current -= nbytes
-        if self.record_trace:
-            self.trace.append((len(self.trace), -nbytes, "free"))
+        if self.record_trace and nbytes:
+            self.trace.append(TraceEvent(len(self.trace), -nbytes, "free", block))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -215,8 +225,8 @@ class AllocationTracker(TorchDispatchMode):
             self.allocations += 1
             self.peak = max(self.peak, self.current)
             if self.record_trace:
-                self.trace.append((len(self.trace), nbytes, str(func)))
-            weakref.finalize(t.untyped_storage(), self._freed, key)
+                self.trace.append(TraceEvent(len(self.trace), nbytes, str(func), self.allocations))
+            weakref.finalize(t.untyped_storage(), self._freed, key, self.allocations)
         return out
 
 
