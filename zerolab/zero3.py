@@ -1,0 +1,685 @@
+"""ZeRO stage 3 (P_os+g+p): every model state is sharded, parameters included.
+
+    engine = ZeRO3(model, functools.partial(torch.optim.AdamW, lr=3e-4), prefetch=1)
+    logits, loss = zl.models.gpt_loss(engine, batch)
+    engine.backward(loss)
+    engine.step()
+
+The model is cut into UNITS: by default each child of its largest nn.ModuleList /
+nn.Sequential (the GPT's `blocks`), plus a ROOT unit holding every other parameter (and any
+parameter shared by two units). Each unit keeps its parameters in one flat padded buffer
+(zerolab.buckets.Bucket layout) and each rank keeps only its 1/N shard of it. A unit's
+parameters live the life of a state machine (the events in `engine.events`):
+
+    partitioned --all-gather--> gathered --forward/backward--> in use --free--> partitioned
+
+* forward:  a unit's pre-forward hook waits for its all-gather (issued earlier by the
+  prefetch of the unit before it), prefetches the next unit(s), and its post-forward hook
+  frees the gathered buffer by RESIZING ITS STORAGE TO 0 (the parameters stay views into it,
+  so tensors autograd saved keep pointing at the right memory once it is gathered again).
+* backward: a hook on the unit's outputs gathers it again (and prefetches the unit before
+  it); when every trainable parameter's gradient has been accumulated and the gradient of
+  the unit's inputs has been computed, the full gradient is reduce-scattered (each rank
+  keeps its shard) and the parameters are freed again.
+* step:     the optimizer updates this rank's fp32 shard. Nothing is gathered: the next
+  forward gathers what it needs.
+
+Per step each rank sends (N-1)/N of the parameter bytes three times: all-gather in forward,
+all-gather in backward, reduce-scatter of the gradients, the paper's 3 Psi (1.5x DDP).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import zlib
+from collections import namedtuple
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .buckets import Bucket
+from .comm import Ledger
+from .ddp import _check_args, broadcast_from_rank0, check_same_model
+from .launch import rank as _rank
+from .launch import world_size as _world_size
+from .memory import PeakMemory, live_bytes, optimizer_tensors
+from .precision import MixedPrecision, clip_grad_norm_
+from .single import build_optimizer
+
+Event = namedtuple("Event", "time rank unit state phase")
+"""One step of a unit's lifecycle: state is gathering | gathered | in_use | reduce_scatter | released."""
+
+
+# ------------------------------------------------------------------ finding the units
+
+
+def find_units(model: nn.Module, units=None):
+    """[(name, module)] of the non-root units, and a note when none could be found.
+
+    Default: the children of the model's largest ModuleList / Sequential (by parameters).
+    `units` may name modules ("blocks.0") or pass the modules themselves.
+    """
+    named = dict(model.named_modules())
+    if units is not None:
+        out = []
+        by_id = {id(m): n for n, m in named.items()}
+        for u in units:
+            if isinstance(u, str):
+                if u not in named or u == "":
+                    raise ValueError(f"units: no submodule named {u!r} in the model")
+                out.append((u, named[u]))
+            elif isinstance(u, nn.Module) and id(u) in by_id and u is not model:
+                out.append((by_id[id(u)], u))
+            else:
+                raise ValueError(f"units: {u!r} is not a submodule of the model (nor its name)")
+        return out, None
+    best, best_size = None, 0
+    for name, m in named.items():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and m is not model:
+            size = sum(p.numel() for p in m.parameters())
+            if size > best_size:
+                best, best_size = name, size
+    if best is None:
+        return [], (f"ZeRO3: {type(model).__name__} has no nn.ModuleList or nn.Sequential to cut "
+                    "into units; the whole model is ONE root unit (gathered whole for forward and "
+                    "backward). Pass units=[...] to name submodules as units.")
+    return [(f"{best}.{n}", m) for n, m in named[best].named_children()
+            if any(True for _ in m.parameters())], None
+
+
+class Unit:
+    """A group of parameters gathered and freed together: one flat buffer per kind.
+
+    `train` holds the trainable parameters (gradients, optimizer state), `frozen` the rest
+    (gathered like the others, never reduced, no optimizer state).
+    """
+
+    def __init__(self, index, name, module, params):
+        self.index, self.name, self.module = index, name, module
+        self.params = params            # original parameters, in model.parameters() order
+        self.buckets = {}               # "train" / "frozen" -> Bucket
+        self.full = {}                  # kind -> the full flat buffer (storage resized to 0 when free)
+        self.shard = {}                 # kind -> this rank's shard, compute dtype
+        self.handles = {}               # kind -> Handle of an all-gather in flight
+        self.gathered = False
+        self.grad_full = None           # full gradient while backward produces it
+        self.rs_handle = None
+        self.reset_backward()
+
+    def reset_backward(self):
+        self.n_acc = 0                  # trainable params whose gradient was accumulated
+        self.in_backward = False
+        self.input_hooks_out = 0        # input-gradient hooks set up in forward ...
+        self.input_hooks_in = 0         # ... and fired in backward
+        self.reduced = False
+        self.used = set()               # positions (in the train bucket) that got a gradient
+
+    @property
+    def numel(self):
+        return sum(b.padded_numel for b in self.buckets.values())
+
+
+class _InputsGradDone(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once the unit's backward is finished."""
+
+    @staticmethod
+    def forward(ctx, engine, unit, *tensors):
+        ctx.engine, ctx.unit = engine, unit
+        return tensors if len(tensors) != 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.engine._on_inputs_grad(ctx.unit)
+        return (None, None) + grads
+
+
+# Resizing a storage is not an aten operation, so the CPU AllocationTracker behind
+# PeakMemory cannot see it: the gathered buffers report their own allocations and frees to
+# every region opened with measure_peak() (CUDA's allocator sees them without help).
+_ACTIVE: list = []
+
+
+def _note(delta: int, key=None) -> None:
+    for tr in _ACTIVE:
+        if key is not None and key in tr._live:   # allocated by an op inside the region
+            delta = -tr._live.pop(key)
+        tr.current += delta
+        tr.peak = max(tr.peak, tr.current)
+
+
+class measure_peak(PeakMemory):
+    """PeakMemory that also counts ZeRO-3's gathered buffers (allocated by resizing storage)."""
+
+    def __enter__(self):
+        super().__enter__()
+        if self._tracker is not None:
+            _ACTIVE.append(self._tracker)
+        return self
+
+    def __exit__(self, *exc):
+        if self._tracker in _ACTIVE:
+            _ACTIVE.remove(self._tracker)
+        return super().__exit__(*exc)
+
+
+def _storage_free(t: torch.Tensor):
+    st = t.untyped_storage()
+    if st.nbytes():
+        key = (st.device.type, st.device.index, st.data_ptr())
+        nbytes = st.nbytes()
+        st.resize_(0)
+        _note(-nbytes, key)
+
+
+def _storage_alloc(t: torch.Tensor):
+    nbytes = t.numel() * t.element_size()
+    if t.untyped_storage().nbytes() != nbytes:
+        t.untyped_storage().resize_(nbytes)
+        _note(nbytes)
+
+
+# ------------------------------------------------------------------ the engine
+
+
+class ZeRO3:
+    """ZeRO stage 3: parameters, gradients and optimizer state sharded over the ranks."""
+
+    def __init__(self, model: nn.Module, optimizer, *, precision="fp32", bucket_mb=25.0, prefetch=1,
+                 max_grad_norm=None, scaler=None, units=None, track_peak=True, init_fn=None):
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0 (units to gather ahead; 0 = off), got {prefetch!r}")
+        meta = any(p.device.type == "meta" for p in model.parameters())
+        if meta and init_fn is None:
+            raise ValueError("the model is on the meta device: pass init_fn(name, module) to "
+                             "initialise its parameters unit by unit")
+        _check_args(model, bucket_mb, max_grad_norm)
+        self.comm = Ledger()
+        self.precision = MixedPrecision(precision, scaler=scaler, ledger=self.comm)
+        self.world_size, self.rank = _world_size(), _rank()
+        self.model, self.prefetch, self.bucket_mb = model, prefetch, float(bucket_mb)
+        self.max_grad_norm, self.track_peak = max_grad_norm, track_peak
+        self.steps, self.last_peak, self.last_grad_norm = 0, 0, None
+        self.events: list = []
+        self._fwd_order: list = []      # units in the order the last forward ran them
+        self._cur_order: list = []
+        self._fwd_counts = None
+        self._callback_started = False
+        check_same_model(model, self.comm)
+
+        found, note = find_units(model, units)
+        if note:
+            warnings.warn(note, stacklevel=2)
+        self.note = note
+        self._build_units(found, init_fn)
+        # the optimizer updates one fp32 shard per unit, as if each were a normal parameter
+        self.masters = [u.master for u in self.units if u.master is not None]
+        self.optimizer = build_optimizer(optimizer, self.masters, precision)
+        self._install_hooks()
+        self.comm.reset()               # setup traffic is not a training step's traffic
+
+    # -------------------------------------------------------------- construction
+    def _build_units(self, found, init_fn):
+        model, dtype = self.model, self.precision.compute_dtype
+        owners: dict = {}               # id(param) -> unit positions whose subtree holds it
+        unit_of_module = {}
+        for i, (_, m) in enumerate(found):
+            for p in m.parameters():
+                owners.setdefault(id(p), set()).add(i + 1)
+            for sub in m.modules():
+                unit_of_module.setdefault(id(sub), i + 1)
+        groups = [[] for _ in range(len(found) + 1)]
+        for p in model.parameters():    # each tied weight once
+            where = owners.get(id(p), set())
+            groups[next(iter(where)) if len(where) == 1 else 0].append(p)  # shared -> root
+        # where every parameter is referenced, so meta parameters can be replaced everywhere
+        refs: dict = {}
+        for mname, m in model.named_modules():
+            for pname, p in m.named_parameters(recurse=False):
+                refs.setdefault(id(p), []).append((mname, m, pname))
+        # the root's forward is the model's forward; unit 0 is always the root
+        specs = [("root", model)] + list(found)
+        self.units = []
+        for i, ((name, module), params) in enumerate(zip(specs, groups)):
+            u = Unit(i, name, module, params)
+            self.units.append(u)
+            self._materialize(u, refs, init_fn, dtype)
+        self.param_unit = {id(p): u for u in self.units for b in u.buckets.values() for p in b.params}
+        # buffers are replicated (rank 0's values)
+        bufs = [b for b in model.buffers()]
+        if any(b.device.type == "meta" for b in bufs):
+            raise ValueError("meta-device buffers are not supported: build buffers on the CPU")
+        if bufs:
+            broadcast_from_rank0(bufs, self.comm)
+
+    def _materialize(self, u, refs, init_fn, dtype):
+        """Give unit u its flat buffers and shards, holding at most this ONE unit in full."""
+        mixed = self.precision.policy.needs_master
+        for kind, params in (("train", [p for p in u.params if p.requires_grad]),
+                             ("frozen", [p for p in u.params if not p.requires_grad])):
+            if not params:
+                continue
+            if params[0].device.type == "meta":
+                flat = torch.zeros(-(-sum(p.numel() for p in params) // self.world_size) * self.world_size)
+                new = []
+                offset = 0
+                for p in params:
+                    q = nn.Parameter(flat[offset:offset + p.numel()].view(p.shape), requires_grad=p.requires_grad)
+                    offset += p.numel()
+                    for _, m, pname in refs[id(p)]:
+                        m._parameters[pname] = q      # every module that uses p (tied) gets q
+                    new.append(q)
+                # initialise in model order, so tied weights end as a plain build leaves them
+                done = {id(q) for q in new}
+                with torch.no_grad():
+                    for mname, m in self.model.named_modules():
+                        if any(id(q) in done for q in m.parameters(recurse=False)):
+                            init_fn(mname, m)
+                b = Bucket(0, new, self.world_size)
+                b.data = flat
+            else:
+                b = Bucket(0, params, self.world_size)
+                with torch.no_grad():
+                    b.bind_params()           # parameters become views into b.data
+            if mixed:
+                b.data = b.data.to(dtype)
+                for view, p in zip(b.views(b.data), b.params):
+                    p.data = view
+            self.comm.broadcast(b.data, src=0, tag="setup")   # ranks start identical (in place)
+            u.buckets[kind] = b
+            u.full[kind] = b.data
+            u.shard[kind] = b.data[b.shard(self.rank)].clone()
+            _storage_free(b.data)             # from now on this rank holds only its shard
+        u.params = [p for b in u.buckets.values() for p in b.params]
+        u.master = None
+        if "train" in u.buckets:
+            s = u.shard["train"]
+            u.master = nn.Parameter(s.float().clone() if mixed else s)
+            if not mixed:
+                u.shard["train"] = u.master.data
+        u.grad_shard = None
+        for pos, p in enumerate(u.buckets["train"].params if "train" in u.buckets else []):
+            p._zero3_pos = pos
+
+    # -------------------------------------------------------------- the lifecycle
+    def _event(self, u, state, phase=""):
+        self.events.append(Event(self.comm.now(), self.rank, u.name, state, phase))
+
+    def _gather(self, u, phase, async_op=False):
+        """Issue the all-gather(s) of unit u (nothing if gathered or in flight)."""
+        if u.gathered or u.handles:
+            return
+        self._event(u, "gathering", phase)
+        for kind, full in u.full.items():
+            _storage_alloc(full)
+            u.handles[kind] = self.comm.all_gather(full, u.shard[kind], async_op=True,
+                                                   tag=f"gather:{u.name}")
+        if not async_op or not u.handles:   # (a unit with no parameters has nothing to wait for)
+            self._wait_gather(u, phase)
+
+    def _wait_gather(self, u, phase):
+        if u.gathered:
+            return
+        if not u.handles and u.full:
+            self._gather(u, phase)
+            return
+        for h in u.handles.values():
+            h.wait()
+        u.handles = {}
+        u.gathered = True
+        self._event(u, "gathered", phase)
+
+    def _release(self, u, phase):
+        if u.handles:                  # a prefetch nobody used: finish it before freeing
+            self._wait_gather(u, phase)
+        if not u.gathered:
+            return
+        for full in u.full.values():
+            _storage_free(full)
+        u.gathered = False
+        self._event(u, "released", phase)
+
+    def _prefetch_after(self, order, u, phase):
+        """Start the all-gathers of the `prefetch` units that follow u in `order`."""
+        if self.prefetch == 0 or u not in order:
+            return
+        i = order.index(u)
+        ahead = [v for v in order[i + 1:] if v is not u and not (phase == "backward" and v.reduced)]
+        for v in ahead[:self.prefetch]:
+            self._gather(v, phase, async_op=True)
+
+    # -------------------------------------------------------------- hooks
+    def _install_hooks(self):
+        for u in self.units:
+            u.module.register_forward_pre_hook(self._make_pre_forward(u), with_kwargs=True)
+            u.module.register_forward_hook(self._make_post_forward(u))
+            for p in u.buckets.get("train", Bucket(0, [], 1)).params:
+                p.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+
+    def _make_pre_forward(self, u):
+        def hook(module, args, kwargs):
+            recompute = u.in_backward   # activation checkpointing re-runs forward in backward
+            if u.index == 0 and not recompute:
+                self._start_forward()
+            phase = "backward" if recompute else "forward"
+            self._wait_gather(u, phase)
+            self._event(u, "in_use", phase)
+            if recompute:
+                return None
+            self._cur_order.append(u)
+            self._fwd_counts[u.index] += 1
+            order = self._fwd_order or self.units
+            self._prefetch_after(order, u, "forward")
+            if torch.is_grad_enabled():
+                flat, spec = tree_flatten((args, kwargs))
+                idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+                if idx:
+                    out = _InputsGradDone.apply(self, u, *[flat[i] for i in idx])
+                    out = (out,) if isinstance(out, torch.Tensor) else out
+                    for i, t in zip(idx, out):
+                        flat[i] = t
+                    u.input_hooks_out += 1
+                    return tree_unflatten(flat, spec)
+            return None
+        return hook
+
+    def _make_post_forward(self, u):
+        def hook(module, args, output):
+            if u.in_backward:           # a recompute inside backward: keep the unit gathered
+                return None
+            self._release(u, "forward")
+            if torch.is_grad_enabled():
+                outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                for t in outs:
+                    t.register_hook(lambda g, u=u: self._pre_backward(u))
+            if u.index == 0:
+                self._end_forward()
+            return None
+        return hook
+
+    def _start_forward(self):
+        if self._cur_order:
+            self._fwd_order = self._dedupe(self._cur_order)
+        self._cur_order = []
+        self._callback_started = False
+        self._fwd_counts = [0] * len(self.units)
+        for u in self.units:
+            u.reset_backward()
+
+    @staticmethod
+    def _dedupe(order):
+        seen, out = set(), []
+        for u in order:
+            if id(u) not in seen:
+                seen.add(id(u))
+                out.append(u)
+        return out
+
+    def _end_forward(self):
+        # Ranks must run the same units, or their collectives pair up wrongly: compare the
+        # counts now (one small all-reduce) and name the unit instead of hanging later.
+        counts = torch.tensor(self._fwd_counts + [-c for c in self._fwd_counts], dtype=torch.float32)
+        self.comm.all_reduce(counts, op="max", tag="check")
+        n = len(self.units)
+        hi, lo = counts[:n].tolist(), [-c for c in counts[n:].tolist()]
+        bad = [u.name for u, a, b in zip(self.units, hi, lo) if a != b]
+        if self._cur_order:
+            self._fwd_order = self._dedupe(self._cur_order)
+        if bad:
+            for u in self.units:
+                self._release(u, "forward")
+            raise RuntimeError(f"ZeRO3: ranks ran different code paths: unit(s) {', '.join(bad)} "
+                               f"ran a different number of times on different ranks in this forward "
+                               f"(this rank: {[self._fwd_counts[u.index] for u in self.units]}). "
+                               "Every rank must call every unit the same number of times.")
+
+    def _pre_backward(self, u):
+        if not self._callback_started:
+            # the first hook of this backward: arrange the end-of-backward check
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_started = True
+        if u.reduced:
+            return
+        if not u.in_backward:
+            u.in_backward = True
+            self._wait_gather(u, "backward")
+            self._event(u, "in_use", "backward")
+            self._prefetch_after(self._fwd_order[::-1], u, "backward")
+
+    def _on_grad_accumulated(self, p):
+        u = self.param_unit[id(p)]
+        b = u.buckets["train"]
+        if u.grad_full is None:
+            u.grad_full = torch.zeros(b.padded_numel, dtype=p.dtype)
+        pos = p._zero3_pos
+        view = u.grad_full[b.offsets[pos]:b.offsets[pos] + b.sizes[pos]].view(p.shape)
+        view.add_(p.grad)
+        p.grad = None                    # the full gradient lives in the unit's flat buffer
+        if pos not in u.used:
+            u.used.add(pos)
+            u.n_acc += 1
+        self._maybe_done(u)
+
+    def _on_inputs_grad(self, u):
+        u.input_hooks_in += 1
+        self._maybe_done(u)
+
+    def _maybe_done(self, u):
+        n_train = len(u.buckets["train"].params) if "train" in u.buckets else 0
+        if u.n_acc == n_train and u.input_hooks_in >= u.input_hooks_out and u.in_backward:
+            self._post_backward(u)
+
+    def _post_backward(self, u):
+        """The unit's backward is over: reduce-scatter its gradient, free its parameters."""
+        if u.reduced:
+            return
+        u.reduced = True
+        if "train" in u.buckets:
+            b = u.buckets["train"]
+            if u.grad_full is None:
+                u.grad_full = torch.zeros(b.padded_numel, dtype=b.data.dtype)
+            u.grad_full.div_(self.world_size)          # gloo has no AVG: divide, then sum
+            u.rs_out = torch.empty(b.padded_numel // self.world_size, dtype=u.grad_full.dtype)
+            self._event(u, "reduce_scatter", "backward")
+            u.rs_handle = self.comm.reduce_scatter(u.rs_out, u.grad_full, async_op=True,
+                                                   tag=f"reduce:{u.name}")
+        self._release(u, "backward")
+
+    def _finish_backward(self):
+        """End of autograd's work: reduce units whose gradients never all arrived, in order."""
+        for u in self.units:
+            if u.in_backward and not u.reduced:
+                self._post_backward(u)
+        for u in self.units:            # nothing stays gathered past backward: the step changes it
+            self._release(u, "backward")
+        # which parameters got a gradient on ANY rank (the others keep no gradient, as in one
+        # process) and did every rank reduce the same units?
+        flags = []
+        for u in self.units:
+            n = len(u.buckets["train"].params) if "train" in u.buckets else 0
+            flags += [float(i in u.used) for i in range(n)]
+        flags += [float(u.reduced) for u in self.units] + [-float(u.reduced) for u in self.units]
+        flags = torch.tensor(flags)
+        self.comm.all_reduce(flags, op="max", tag="used")
+        n = len(self.units)
+        red_hi, red_lo = flags[len(flags) - 2 * n:len(flags) - n], -flags[len(flags) - n:]
+        bad = [u.name for u, a, b in zip(self.units, red_hi.tolist(), red_lo.tolist()) if a != b]
+        if bad:
+            raise RuntimeError(f"ZeRO3: ranks ran different code paths: the backward of unit(s) "
+                               f"{', '.join(bad)} ran on some ranks but not on others")
+        used = flags[:len(flags) - 2 * n].tolist()
+        k = 0
+        for u in self.units:
+            if u.rs_handle is not None:
+                u.rs_handle.wait()
+                u.rs_handle = None
+                u.grad_full = None       # the full gradient is gone; the shard stays
+                u.grad_shard = u.rs_out if u.grad_shard is None else u.grad_shard.add_(u.rs_out)
+                u.rs_out = None
+            n_train = len(u.buckets["train"].params) if "train" in u.buckets else 0
+            u.unused_positions = [i for i in range(n_train) if used[k + i] == 0.0]
+            k += n_train
+            u.in_backward = False
+
+    # -------------------------------------------------------------- forward and backward
+    def __call__(self, *inputs):
+        dtype = self.precision.compute_dtype
+        inputs = [x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                  for x in inputs]
+        return self.model(*inputs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward() (scaled in fp16); gradients are reduce-scattered unit by unit."""
+        self._callback_started = False
+        self.last_backward = {"start": self.comm.now()}
+        self.precision.scale_loss(loss, step=self.steps).backward()
+        if not self._callback_started:
+            self._finish_backward()
+        self.last_backward["end"] = self.comm.now()
+
+    # -------------------------------------------------------------- the step
+    def step(self) -> bool:
+        """Unscale, agreed overflow check, clip across shards, update this rank's shards."""
+        if self.track_peak:
+            with measure_peak("cpu") as peak:
+                applied = self._step()
+            self.last_peak = peak.peak
+        else:
+            applied = self._step()
+        self.steps += 1
+        return applied
+
+    def _unused_mask(self, u):
+        """Elements of this rank's shard that belong to parameters no rank used this step."""
+        if not getattr(u, "unused_positions", None):
+            return None
+        b = u.buckets["train"]
+        mask = torch.zeros(b.padded_numel, dtype=torch.bool)
+        for i in u.unused_positions:
+            mask[b.offsets[i]:b.offsets[i] + b.sizes[i]] = True
+        return mask[b.shard(self.rank)]
+
+    @torch.no_grad()
+    def _step(self) -> bool:
+        for u in self.units:            # a gathered copy would be stale after the update
+            self._release(u, "step")
+        mixed = self.precision.policy.needs_master
+        train = [u for u in self.units if u.master is not None]
+        for u in train:
+            g = u.grad_shard
+            if g is None:
+                g = torch.zeros_like(u.master)
+            u.master.grad = g.float() if mixed else g
+        grads = [u.master.grad for u in train]
+        if not self.precision.unscale_and_check(grads):
+            self.precision.update(found_inf=True)
+            self._drop_master_grads()
+            return False
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = clip_grad_norm_(grads, self.max_grad_norm, self.comm)
+        # a parameter no rank used keeps no gradient in one process, so the optimizer leaves
+        # it (and its state) alone; here it shares a flat shard, so put those elements back
+        saved = []
+        for u in train:
+            mask = self._unused_mask(u)
+            if mask is not None and mask.any():
+                state = self.optimizer.state.get(u.master, {})
+                keep = {k: v[mask].clone() for k, v in state.items()
+                        if isinstance(v, torch.Tensor) and v.shape == u.master.shape}
+                saved.append((u, mask, u.master.data[mask].clone(), keep))
+        self.optimizer.step()
+        for u, mask, values, keep in saved:
+            u.master.data[mask] = values
+            for k, v in keep.items():
+                self.optimizer.state[u.master][k][mask] = v
+        if mixed:
+            for u in train:
+                u.shard["train"].copy_(u.master)
+        self._drop_master_grads()
+        self.precision.update(found_inf=False)
+        return True
+
+    def _drop_master_grads(self):
+        if self.precision.policy.needs_master:
+            for u in self.units:
+                if u.master is not None:
+                    u.master.grad = None
+
+    def zero_grad(self) -> None:
+        for u in self.units:
+            u.grad_shard = None
+            if u.master is not None:
+                u.master.grad = None
+
+    # -------------------------------------------------------------- state and memory
+    def full_state_dict(self) -> dict:
+        """fp32 CPU tensors, the keys of model.state_dict(), padding dropped, tied weights kept.
+
+        Every rank calls it: each unit's fp32 shards are all-gathered.
+        """
+        value_of = {}
+        for u in self.units:
+            for kind, b in u.buckets.items():
+                src = u.master.data if (kind == "train") else u.shard[kind]
+                full = torch.empty(b.padded_numel, dtype=src.dtype)
+                self.comm.all_gather(full, src.contiguous(), tag="state")
+                for p, view in zip(b.params, b.views(full)):
+                    value_of[id(p)] = view.float().clone()
+        out, converted = {}, {}
+        for key, t in self.model.state_dict(keep_vars=True).items():
+            if id(t) in value_of:
+                out[key] = value_of[id(t)]
+            else:
+                if id(t) not in converted:
+                    converted[id(t)] = t.detach().float().cpu().clone() if t.is_floating_point() \
+                        else t.detach().cpu().clone()
+                out[key] = converted[id(t)]
+        return out
+
+    def memory_report(self) -> dict:
+        """MEASURED bytes on this rank: params (shards + whatever is gathered now), grads,
+        optimizer (fp32 master shards when mixed + moments), total, peak (of the last step())."""
+        params = [s for u in self.units for s in u.shard.values()]
+        params += [f for u in self.units for f in u.full.values()]
+        grads = [u.grad_shard for u in self.units if u.grad_shard is not None]
+        grads += [u.grad_full for u in self.units if u.grad_full is not None]
+        masters = [u.master for u in self.units if u.master is not None] \
+            if self.precision.policy.needs_master else []
+        opt = masters + optimizer_tensors(self.optimizer)
+        out = {"params": live_bytes(params), "grads": live_bytes(grads, exclude=params),
+               "optimizer": live_bytes(opt, exclude=params + grads)}
+        out["total"] = out["params"] + out["grads"] + out["optimizer"]
+        out["peak"] = self.last_peak
+        return out
+
+    # -------------------------------------------------------------- facts for the chapter
+    def unit_sizes(self) -> dict:
+        """{unit name: parameters in its flat buffers (padded)}."""
+        return {u.name: u.numel for u in self.units}
+
+    @property
+    def num_params(self) -> int:
+        return sum(b.numel for u in self.units for b in u.buckets.values())
+
+
+# ------------------------------------------------------------------ initialising on meta
+
+
+def gpt_init(n_layer: int):
+    """init_fn(name, module) for a GPT with n_layer blocks built on the meta device.
+
+    GPT-2 style (normal(0, 0.02), zero biases, residual projections scaled by depth), each
+    module seeded by its NAME, so every rank draws the same values and a normal GPT given
+    `for n, m in model.named_modules(): init(n, m)` ends with exactly the same weights.
+    """
+    def init(name: str, module: nn.Module) -> None:
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        if isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("proj") else 0.02
+            module.weight.normal_(0.0, std, generator=g)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                module.bias.zero_()
+    return init
