@@ -78,3 +78,45 @@ def test_ledger_rejects_bad_shapes_and_ops():
         led.reduce_scatter(torch.empty(2), torch.empty(3))
     with pytest.raises(ValueError, match="all_gather: output has 3 elements"):
         led.all_gather(torch.empty(3), torch.empty(2))
+
+
+# ---- the watchdog: a collective that cannot complete names the op and the ranks that did not arrive
+
+
+def stuck_rank(timeout):
+    led = Ledger(timeout=timeout)
+    t = torch.ones(4)
+    led.all_reduce(t, tag="warm-up")        # everyone arrives here
+    if dist.get_rank() == 1:
+        import time
+        time.sleep(60)                      # rank 1 hangs
+    led.all_reduce(t, tag="bucket0")
+    return "done"
+
+
+def diverging_schedule(timeout):
+    led = Ledger(timeout=timeout)
+    steps = 3 if dist.get_rank() == 0 else 2  # rank 1 runs one step fewer
+    for step in range(steps):
+        led.all_reduce(torch.ones(2), tag=f"step{step}")
+    return steps
+
+
+def test_stuck_rank_trips_the_ledger_timeout():
+    import time
+    start = time.monotonic()
+    with pytest.raises(zl.LaunchError) as info:
+        zl.launch(stuck_rank, 2, args=(2.0,), timeout=60)
+    took = time.monotonic() - start
+    msg = str(info.value)
+    assert info.value.rank == 0 and took < 15, took
+    assert "CollectiveTimeout" in msg and "all_reduce 'bucket0'" in msg
+    assert "rank 1 (last at #1 all_reduce 'warm-up')" in msg
+
+
+def test_diverging_schedules_are_named():
+    with pytest.raises(zl.LaunchError) as info:
+        zl.launch(diverging_schedule, 2, args=(2.0,), timeout=60)
+    msg = str(info.value)
+    assert "all_reduce 'step2' (collective #3 of rank 0)" in msg
+    assert "rank 1 (last at #2 all_reduce 'step1')" in msg

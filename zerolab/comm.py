@@ -14,10 +14,18 @@ Bytes follow the ring algorithm, where S is the size of the full (unsharded) ten
 That is the number the paper reasons with ("2 Psi per step for data parallelism"), so a
 chapter can print the measured total beside it. Async operations return a Handle whose
 wait() stamps the end time, which gives the timelines of chapters 5 and 8.
+
+A collective that never completes (a rank stuck, crashed, or running different code) would
+block its peers until the process group's own timeout. A Ledger built with `timeout=` waits
+at most that long and then raises CollectiveTimeout naming the operation and the ranks that
+did not arrive: before each collective every rank writes its progress (a sequence number,
+the op and its tag) to the process group's key-value store, and the waiting rank reads the
+others' progress when its wait runs out.
 """
 
 from __future__ import annotations
 
+import datetime
 import time
 from dataclasses import dataclass, field
 
@@ -51,21 +59,37 @@ class CommRecord:
         return float("nan") if self.end is None else self.end - self.start
 
 
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete within the ledger's timeout."""
+
+
 class Handle:
     """An async collective in flight. wait() blocks until it is done and records the end time."""
 
-    def __init__(self, work, record: CommRecord, ledger: "Ledger"):
+    def __init__(self, work, record: CommRecord, ledger: "Ledger", group=None, seq: int = 0):
         self._work, self.record, self._ledger = work, record, ledger
+        self._group, self._seq = group, seq
 
     def wait(self) -> None:
         if self._work is not None:
-            self._work.wait()
+            timeout = self._ledger.timeout
+            if timeout is None:
+                self._work.wait()
+            else:
+                try:
+                    self._work.wait(datetime.timedelta(seconds=timeout))
+                except RuntimeError as exc:
+                    raise self._ledger._timed_out(self.record, self._group, self._seq, exc) from None
             self._work = None
         if self.record.end is None:
             self.record.end = self._ledger.now()
 
     def is_completed(self) -> bool:
         return self._work is None or self._work.is_completed()
+
+
+def _store():
+    return dist.distributed_c10d._get_default_store()
 
 
 def _reduce_op(op: str):
@@ -83,12 +107,20 @@ def _group_rank(group) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
+_progress = {"seq": 0}   # this process's count of watched collectives, across all ledgers
+
+
 @dataclass
 class Ledger:
-    """Runs collectives and records each one. Engines own one: `engine.comm`."""
+    """Runs collectives and records each one. Engines own one: `engine.comm`.
+
+    timeout: seconds a collective may take before CollectiveTimeout names the op and the
+    ranks that did not arrive (None: wait as long as the process group allows).
+    """
 
     group: object = None
     records: list = field(default_factory=list)
+    timeout: float | None = None
 
     def __post_init__(self):
         self._epoch = time.perf_counter()
@@ -124,22 +156,54 @@ class Ledger:
                          bytes_sent=round(factor(n) * tensor_full_numel * elem), group_size=n,
                          start=self.now(), tag=tag, async_op=async_op)
         self.records.append(rec)
+        seq = 0
         if n == 1 or not dist.is_initialized():
             work = None  # one rank: the result is already in place, nothing moves
+        elif self.timeout is None:
+            work = call(group, async_op)
         else:
-            work = call(group)
-        handle = Handle(work, rec, self)
+            seq = self._announce(rec)
+            work = call(group, True)  # asynchronous, so that the wait can be bounded
+        handle = Handle(work, rec, self, group, seq)
         if async_op:
             return handle
         handle.wait()
         return None
+
+    # --- the watchdog (only with a timeout)
+    def _announce(self, rec: CommRecord) -> int:
+        _progress["seq"] += 1
+        seq = _progress["seq"]
+        _store().set(f"zerolab/progress/{dist.get_rank()}", f"{seq}|{rec.op}|{rec.tag}")
+        return seq
+
+    def _timed_out(self, rec: CommRecord, group, seq: int, exc) -> CollectiveTimeout:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        me = dist.get_rank()
+        store = _store()
+        behind = []
+        for r in ranks:
+            if r == me:
+                continue
+            key = f"zerolab/progress/{r}"
+            if not store.check([key]):
+                behind.append(f"rank {r} (no collective yet)")
+                continue
+            their_seq, op, tag = store.get(key).decode().split("|", 2)
+            if int(their_seq) < seq:
+                behind.append(f"rank {r} (last at #{their_seq} {op}{f' {tag!r}' if tag else ''})")
+        who = ", ".join(behind) if behind else "none recorded as behind (they may have failed inside it)"
+        return CollectiveTimeout(
+            f"{rec.op}{f' {rec.tag!r}' if rec.tag else ''} (collective #{seq} of rank {me}) did not "
+            f"complete within {self.timeout:g} s. Ranks that did not arrive: {who}. A rank that "
+            f"crashed, hangs, or runs a different sequence of collectives causes this. [{exc}]")
 
     # --- collectives
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group=None, async_op=False, tag=""):
         """tensor <- op over ranks of tensor, in place."""
         red = _reduce_op(op)
         return self._run("all_reduce", tensor.numel(), tensor.dtype, lambda n: 2 * (n - 1) / n,
-                         lambda g: dist.all_reduce(tensor, op=red, group=g, async_op=async_op),
+                         lambda g, a: dist.all_reduce(tensor, op=red, group=g, async_op=a),
                          group, async_op, tag)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", group=None,
@@ -153,7 +217,7 @@ class Ledger:
         if _group_size(g) == 1:
             output.copy_(input.view_as(output))
         return self._run("reduce_scatter", input.numel(), input.dtype, lambda n: (n - 1) / n,
-                         lambda g_: _reduce_scatter(output, input, op=red, group=g_, async_op=async_op),
+                         lambda g_, a: _reduce_scatter(output, input, op=red, group=g_, async_op=a),
                          group, async_op, tag)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group=None, async_op=False, tag=""):
@@ -165,7 +229,7 @@ class Ledger:
         if _group_size(g) == 1:
             output.copy_(input.view_as(output))
         return self._run("all_gather", output.numel(), output.dtype, lambda n: (n - 1) / n,
-                         lambda g_: _all_gather(output, input, group=g_, async_op=async_op),
+                         lambda g_, a: _all_gather(output, input, group=g_, async_op=a),
                          group, async_op, tag)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, group=None, async_op=False, tag=""):
@@ -176,27 +240,27 @@ class Ledger:
         last_in_chain = (src_in_group + n - 1) % n
         sends = 0.0 if _group_rank(g) == last_in_chain else 1.0
         return self._run("broadcast", tensor.numel(), tensor.dtype, lambda n_: sends if n_ > 1 else 0.0,
-                         lambda g_: dist.broadcast(tensor, src=src, group=g_, async_op=async_op),
+                         lambda g_, a: dist.broadcast(tensor, src=src, group=g_, async_op=a),
                          group, async_op, tag)
 
     def barrier(self, group=None) -> None:
         """Wait for every rank of the group (recorded with 0 bytes)."""
         self._run("barrier", 0, torch.uint8, lambda n: 0.0,
-                  lambda g: dist.barrier(group=g), group, False, "")
+                  lambda g, a: dist.barrier(group=g, async_op=a), group, False, "")
 
     # --- point to point (the ring algorithms of zl.collectives are built from these)
     def send(self, tensor: torch.Tensor, dst: int, group=None, tag=""):
         self._run("send", tensor.numel(), tensor.dtype, lambda n: 1.0,
-                  lambda g: dist.send(tensor, dst=dst, group=g), group, False, tag)
+                  lambda g, a: (dist.isend if a else dist.send)(tensor, dst=dst, group=g), group, False, tag)
 
     def recv(self, tensor: torch.Tensor, src: int, group=None, tag=""):
         self._run("recv", tensor.numel(), tensor.dtype, lambda n: 0.0,
-                  lambda g: dist.recv(tensor, src=src, group=g), group, False, tag)
+                  lambda g, a: (dist.irecv if a else dist.recv)(tensor, src=src, group=g), group, False, tag)
 
     def isend(self, tensor: torch.Tensor, dst: int, group=None, tag="") -> Handle:
         return self._run("send", tensor.numel(), tensor.dtype, lambda n: 1.0,
-                         lambda g: dist.isend(tensor, dst=dst, group=g), group, True, tag)
+                         lambda g, a: dist.isend(tensor, dst=dst, group=g), group, True, tag)
 
     def irecv(self, tensor: torch.Tensor, src: int, group=None, tag="") -> Handle:
         return self._run("recv", tensor.numel(), tensor.dtype, lambda n: 0.0,
-                         lambda g: dist.irecv(tensor, src=src, group=g), group, True, tag)
+                         lambda g, a: dist.irecv(tensor, src=src, group=g), group, True, tag)
