@@ -1,0 +1,417 @@
+"""ZeRO stages 1 and 2: data parallelism where each rank owns one slice of the optimizer.
+
+    engine = zl.ZeRO(model, partial(torch.optim.AdamW, lr=3e-4), stage=2, precision="bf16")
+    logits, loss = zl.models.gpt_loss(engine, batch)    # this rank's share of the global batch
+    engine.backward(loss)                               # gradients are reduce-scattered
+    engine.step()                                       # owners update their slice; all-gather
+
+ZeRO is zl.DDP with one change of collective. DDP all-reduces each flat gradient bucket, so
+every rank ends up with the whole averaged gradient and runs the whole optimizer. But an
+all-reduce IS a reduce-scatter followed by an all-gather (chapter 4), so ZeRO splits it:
+
+    reduce-scatter the gradients  ->  rank r holds the averaged gradient of its slice only
+    rank r updates its slice      ->  its fp32 master weights and Adam moments exist ONLY there
+    all-gather the parameters     ->  every rank has the whole updated model again
+
+Same bytes on the wire as DDP (2 (N-1)/N Psi per step), but the optimizer state (K Psi bytes,
+the biggest term) is divided by N. The layout comes from zerolab.buckets: each bucket is one
+flat buffer padded to a multiple of N, and rank r owns the contiguous slice bucket.shard(r), so
+both collectives move a whole bucket with no copies. The optimizer is any torch.optim optimizer,
+built on one flat fp32 tensor per bucket (the owned slice): it cannot tell it is sharded.
+
+* Stage 1 (P_os): gradients land in full flat buffers, exactly as in DDP. After backward, each
+  bucket is reduce-scattered; the reduced slice is written back into the owned part of the
+  bucket. The full gradient buffers stay allocated: that is stage 1's (2 + 2) Psi.
+* Stage 2 (P_os+g): there is no full gradient buffer. When a parameter's gradient is ready
+  (a post-accumulate-grad hook) it is copied into its bucket's COMMUNICATION buffer and the
+  parameter's .grad is freed. As soon as a bucket is full it is reduce-scattered
+  asynchronously, during backward, into the owned gradient slice; its buffer then goes back
+  to a small pool and is reused by the next bucket. The pool holds a fixed number (2) of
+  buffers of one bucket each: the paper's constant buffer C_B, whatever the model's size
+  (it grows only if more buckets are half-filled at once, and is released after backward).
+
+Choices, stated:
+
+* Gloo has no AVG: each bucket is divided by N, then summed.
+* Stage 1 reduce-scatters after backward (the issue's "after backward"); stage 2 overlaps.
+* The owned gradient slice (stage 2) is kept in the compute dtype, the paper's 2 Psi / N in
+  bf16/fp16. When several micro-batches accumulate, it is promoted to fp32 on the second one
+  and every later contribution is added in fp32 (fp32 accumulation of the owned slice).
+* Stage 2 cannot honour no_sync by skipping communication (there is no full gradient to
+  accumulate into): inside no_sync every micro-batch is still reduce-scattered and added to the
+  owned slice. Stage 1 honours no_sync like DDP.
+* A parameter no rank reached in a backward (an unused branch) has no gradient in a single
+  process, so the optimizer skips it. Here it is one piece of a flat slice: its values and its
+  optimizer-state entries are saved before the step and put back after it, so it does not move
+  (weight decay included). (A parameter that is unused only sometimes still advances the
+  shared step counter of its slice; Adam's bias correction then differs slightly.)
+* fp32: the master slice is a view into the model's own flat parameter buffer. bf16/fp16: it
+  is a separate fp32 copy of the slice, taken from the exact fp32 values before the cast.
+* The fp16 overflow check is all-reduced (every rank skips together); the clip norm is summed
+  over ranks (each holds a disjoint slice; padding is zero and tied weights live once).
+* stage=3 is zerolab.zero3.ZeRO3.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .buckets import FlatBuckets
+from .ddp import NaiveDDP, _check_args
+from .launch import rank as _rank
+from .memory import live_bytes, optimizer_tensors
+from .precision import check_precision, clip_grad_norm_
+
+STAGES = (1, 2, 3)
+N_BUFFERS = 2   # stage 2: communication buffers of one bucket each (one filling, one in flight)
+
+
+def _check_stage(stage):
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in STAGES:
+        raise ValueError(f"stage must be 1 (shard optimizer state), 2 (also gradients) or 3 (also "
+                         f"parameters); got {stage!r}")
+
+
+class ZeRO(NaiveDDP):
+    """ZeRO-1 and ZeRO-2 on flat padded buckets. ZeRO(..., stage=3) builds a zerolab.zero3.ZeRO3."""
+
+    def __new__(cls, model=None, optimizer=None, *, stage=None, **kwargs):
+        _check_stage(stage)
+        if stage == 3 and cls is ZeRO:
+            try:
+                from .zero3 import ZeRO3
+            except ImportError as e:
+                raise NotImplementedError(
+                    f"ZeRO stage 3 lives in zerolab.zero3, which could not be imported ({e}); "
+                    "use stage=1 or stage=2") from e
+            return ZeRO3(model, optimizer, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, model: torch.nn.Module, optimizer, *, stage, precision="fp32", bucket_mb=25.0,
+                 prefetch=1, max_grad_norm=None, scaler=None, track_peak: bool = True):
+        _check_stage(stage)
+        check_precision(precision)      # before any collective: a bad argument must not hang
+        _check_args(model, bucket_mb, max_grad_norm)
+        self.stage = stage
+        self.prefetch = prefetch        # used by stage 3 only; kept so the signatures agree
+        self.bucket_mb = float(bucket_mb)
+        # stage 1 reduce-scatters after backward; stage 2 as soon as each bucket is full
+        self.overlap = stage == 2
+        # NaiveDDP.__init__: checks every rank has the same model, broadcasts rank 0's
+        # weights, calls _setup_storage below, and builds the optimizer on self.masters
+        super().__init__(model, optimizer, precision=precision, max_grad_norm=max_grad_norm,
+                         scaler=scaler, track_peak=track_peak)
+        self._backward_done = False
+
+    # -------------------------------------------------------------- layout
+    def _setup_storage(self):
+        mixed = self.precision.policy.needs_master
+        dtype = self.precision.compute_dtype
+        elem = torch.empty((), dtype=dtype).element_size()
+        scale = elem / self.params[0].element_size()
+        self.buckets = FlatBuckets(self.params, self.bucket_mb * 2**20 / scale, self.world_size)
+        buckets = self.buckets.buckets
+        self.rank = me = _rank()
+        self.shards = [b.shard(me) for b in buckets]
+        if mixed:
+            # fp32 master SLICES only, taken from the exact fp32 values; the full fp32 copy
+            # of each bucket is temporary
+            self.master_shards = [b.flat_copy(torch.float32)[s].clone() for b, s in zip(buckets, self.shards)]
+            self.model.to(dtype)
+        self.buckets.bind_params()
+        self.params = self.buckets.params
+        if not mixed:
+            # fp32: the optimizer updates the owned slice of the model's own flat buffer
+            self.master_shards = [b.data[s] for b, s in zip(buckets, self.shards)]
+        self.masters = self.master_shards          # what the optimizer is built on
+        self.master_flats = None
+        if self.stage == 1:
+            self.buckets.bind_grads()                # full gradient buffers, as in DDP
+            self.grad_shards = None
+        else:
+            # only the owned gradient slice is kept (compute dtype; see the module docstring)
+            self.grad_shards = [torch.zeros(s.stop - s.start, dtype=dtype) for s in self.shards]
+            self.buffer_numel = max(b.padded_numel for b in buckets)
+            self.max_buffers = 0                     # most buffers alive at once (measured)
+        self._acc32 = [None] * len(buckets)          # fp32 accumulators (stage 2, micro-batches)
+        self._filled = [False] * len(buckets)        # owned slice already holds a gradient
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        self._unused = set()
+        self._unused_so_far = None                   # over the micro-batches of this step
+        self.last_backward = {}
+        self.grad_trace = None                       # set to [] to sample gradient bytes in backward
+        self._reset_backward_state()
+        self._reset_pending()
+
+    def _reset_backward_state(self):
+        self._ready = [set() for _ in self.buckets.buckets]   # ids of params whose grad is in
+        self._next = 0               # the next bucket to launch: always in index order
+        self._handles = []
+        self._callback_queued = False
+
+    def _reset_pending(self):
+        self._pending = []            # (handle, bucket index, buffer or None, temp or None)
+        self._buffer_of = {}          # stage 2: bucket index -> its communication buffer
+        self._free = []               # stage 2: buffers ready for reuse
+        self._alive = 0
+
+    # -------------------------------------------------------------- stage 2: the buffer pool
+    def _acquire(self):
+        while not self._free:
+            if self._alive < N_BUFFERS or not self._pending:
+                self._alive += 1
+                self.max_buffers = max(self.max_buffers, self._alive)
+                return torch.zeros(self.buffer_numel, dtype=self.precision.compute_dtype)
+            self._complete(self._pending[0])     # wait for the oldest reduce-scatter
+        buf = self._free.pop()
+        buf.zero_()
+        return buf
+
+    def _buffer(self, b):
+        if b not in self._buffer_of:
+            self._buffer_of[b] = self._acquire()
+        return self._buffer_of[b]
+
+    def _grad_bytes_now(self) -> int:
+        held = [p.grad for p in self.params if p.grad is not None]
+        if self.stage == 1:
+            held += [b.grad for b in self.buckets.buckets]
+        else:
+            held += self.grad_shards + [a for a in self._acc32 if a is not None]
+            held += list(self._buffer_of.values()) + self._free
+            held += [buf for _, _, buf, _ in self._pending if buf is not None]
+        return live_bytes(held)
+
+    # -------------------------------------------------------------- the reduction
+    def _on_grad_ready(self, p):
+        if not self._sync and self.stage == 1:
+            return  # no_sync (stage 1): gradients just accumulate in the full buckets
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
+        b, i = self.buckets.where[p]
+        bucket = self.buckets.buckets[b]
+        if self.stage == 1:
+            view = bucket.grad_view(i)
+            if p.grad is not view:   # autograd replaced p.grad: put it back into the bucket
+                if p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                p.grad = view
+        else:
+            o, n = bucket.offsets[i], bucket.sizes[i]
+            self._buffer(b)[o:o + n].copy_(p.grad.reshape(-1))
+            p.grad = None            # stage 2: the full gradient is not kept
+        self._ready[b].add(id(p))
+        if self.overlap:             # stage 2: launch every bucket that is full, in order
+            while (self._next < len(self._ready)
+                   and len(self._ready[self._next]) == len(self.buckets.buckets[self._next].params)):
+                self._launch(self._next)
+        if self.grad_trace is not None:
+            self.grad_trace.append((self.comm.now(), self._grad_bytes_now()))
+
+    def _launch(self, b):
+        bucket = self.buckets.buckets[b]
+        if self.stage == 1:
+            flat, buf = bucket.grad, None
+        else:
+            buf = self._buffer(b)
+            flat = buf[:bucket.padded_numel]
+        flat.div_(self.world_size)  # gloo has no AVG: divide, then sum
+        size = bucket.padded_numel // self.world_size
+        if self.stage == 2 and not self._filled[b]:
+            out, temp = self.grad_shards[b], None   # straight into the owned slice
+        else:
+            out = temp = torch.empty(size, dtype=flat.dtype)
+        h = self.comm.reduce_scatter(out, flat, async_op=True, tag=f"bucket{b}")
+        self._handles.append(h)
+        self._pending.append((h, b, buf, temp))
+        self._next = b + 1
+
+    def _complete(self, item):
+        """A reduce-scatter is done: put its result in place and recycle its buffer."""
+        h, b, buf, temp = item
+        h.wait()
+        self._pending.remove(item)
+        if self.stage == 1:
+            self.buckets.buckets[b].grad[self.shards[b]].copy_(temp)
+        else:
+            if temp is not None:   # a later micro-batch: accumulate the owned slice in fp32
+                if self._acc32[b] is None:
+                    self._acc32[b] = self.grad_shards[b].float()
+                self._acc32[b].add_(temp)
+            self._filled[b] = True
+            del self._buffer_of[b]
+            self._free.append(buf)
+
+    def _finish_backward(self):
+        self.last_backward["compute_end"] = self.comm.now()   # autograd has no work left
+        # Buckets with a parameter this backward never reached are still waiting: launch them
+        # now, in order (their missing gradients are zeros).
+        while self._next < len(self.buckets.buckets):
+            self._launch(self._next)
+        # Which parameters did ANY rank reach? One that no rank reached must not move.
+        reached = torch.tensor([float(id(p) in ready) for b, ready in zip(self.buckets.buckets, self._ready)
+                                for p in b.params])
+        self.comm.all_reduce(reached, op="max", tag="used")
+        for item in list(self._pending):
+            self._complete(item)
+        self._unused = set((reached == 0).nonzero().flatten().tolist())
+        self._reset_backward_state()
+        self._finished = True
+        self.last_backward["end"] = self.comm.now()
+        self._reset_pending()            # stage 2: the buffer pool is released between backwards
+        # a parameter is unused for the step only if no micro-batch reached it
+        if self._unused_so_far is not None:
+            self._unused &= self._unused_so_far
+        self._unused_so_far = set(self._unused)
+        if self.grad_trace is not None:
+            self.grad_trace.append((self.comm.now(), self._grad_bytes_now()))
+
+    def _backward(self, loss):
+        self.last_backward = {"start": self.comm.now(), "compute_end": None, "end": None}
+        self._finished = False
+        loss.backward()
+        # stage 2 communicates even inside no_sync (see the module docstring)
+        if (self._sync or self.stage == 2) and not self._finished:
+            self._finish_backward()      # no trainable parameter was reached at all
+        self._backward_done = True
+
+    # -------------------------------------------------------------- the step
+    def step(self) -> bool:
+        if not self._backward_done:
+            raise RuntimeError("step() called before backward(): there is no gradient to apply. "
+                               "Call engine.backward(loss) first (on every rank).")
+        applied = super().step()
+        self._backward_done = False
+        return applied
+
+    def _owned_grads(self):
+        out = []
+        for b in range(len(self.buckets.buckets)):
+            if self._acc32[b] is not None:
+                out.append(self._acc32[b])
+            elif self.stage == 1:
+                out.append(self.buckets.buckets[b].grad[self.shards[b]])
+            else:
+                out.append(self.grad_shards[b])
+        return out
+
+    def _unused_ranges(self):
+        """(bucket, lo, hi) slices of owned shards that belong to parameters no rank reached."""
+        ranges, k = [], 0
+        for b, bucket in enumerate(self.buckets.buckets):
+            s = self.shards[b]
+            for o, n in zip(bucket.offsets, bucket.sizes):
+                if k in self._unused:
+                    lo, hi = max(o, s.start), min(o + n, s.stop)
+                    if lo < hi:
+                        ranges.append((b, lo - s.start, hi - s.start))
+                k += 1
+        return ranges
+
+    @torch.no_grad()
+    def _step(self) -> bool:
+        mixed = self.precision.policy.needs_master
+        for m, g in zip(self.master_shards, self._owned_grads()):
+            m.grad = g if g.dtype == torch.float32 else g.float()
+        grads = [m.grad for m in self.master_shards]
+        ok = self.precision.unscale_and_check(grads)   # fp16: all ranks agree
+        if not ok:
+            self.precision.update(found_inf=True)
+            self._drop_master_grads()
+            return False
+        if self.max_grad_norm is not None:
+            # each rank holds a disjoint slice: the squared norms are summed over ranks
+            self.last_grad_norm = clip_grad_norm_(grads, self.max_grad_norm, self.comm)
+        saved = self._save_unused()
+        self.optimizer.step()
+        self._restore_unused(saved)
+        for b, bucket in enumerate(self.buckets.buckets):
+            mine = bucket.data[self.shards[b]]
+            if mixed:
+                mine.copy_(self.master_shards[b])      # cast the updated fp32 slice
+            # every rank gathers every slice (the input is a copy: it must not alias the output)
+            self.comm.all_gather(bucket.data, mine.clone(), tag=f"param{b}")
+        self._drop_master_grads()
+        self.precision.update(found_inf=False)
+        return True
+
+    def _save_unused(self):
+        saved = []
+        for b, lo, hi in self._unused_ranges():
+            m = self.master_shards[b]
+            state = {k: v[lo:hi].clone() for k, v in self.optimizer.state.get(m, {}).items()
+                     if isinstance(v, torch.Tensor) and v.shape == m.shape}
+            saved.append((b, lo, hi, m[lo:hi].clone(), state))
+        return saved
+
+    def _restore_unused(self, saved):
+        for b, lo, hi, values, state in saved:
+            m = self.master_shards[b]
+            m[lo:hi] = values
+            for k, v in self.optimizer.state.get(m, {}).items():
+                if isinstance(v, torch.Tensor) and v.shape == m.shape:
+                    v[lo:hi] = state[k] if k in state else 0
+
+    def _drop_master_grads(self):
+        for m in self.master_shards:
+            m.grad = None
+
+    def zero_grad(self) -> None:
+        self._unused = set()
+        self._unused_so_far = None
+        if self.stage == 1:
+            self.buckets.zero_grads()
+            self.buckets.attach_grads()
+        else:
+            for g in self.grad_shards:
+                g.zero_()
+            for p in self.params:
+                p.grad = None
+        self._acc32 = [None] * len(self.buckets.buckets)
+        self._filled = [False] * len(self.buckets.buckets)
+        self._drop_master_grads()
+        self._reduced = False
+        self._backward_done = False
+
+    # -------------------------------------------------------------- state and memory
+    @torch.no_grad()
+    def full_state_dict(self) -> dict:
+        """fp32 tensors on CPU, same keys as model.state_dict(), no padding, tied weights shared.
+
+        Every rank must call it: the fp32 master slices are all-gathered bucket by bucket.
+        """
+        full_of = {}
+        for b, bucket in enumerate(self.buckets.buckets):
+            full = torch.empty(bucket.padded_numel, dtype=torch.float32)
+            self.comm.all_gather(full, self.master_shards[b].detach().clone(), tag="state")
+            for p, view in zip(bucket.params, bucket.views(full)):
+                full_of[id(p)] = view.clone()
+        out, converted = {}, {}
+        for key, t in self.model.state_dict(keep_vars=True).items():
+            if id(t) not in converted:
+                if id(t) in full_of:
+                    converted[id(t)] = full_of[id(t)]
+                else:   # frozen parameters and buffers are replicated: take this rank's
+                    src = t.detach()
+                    converted[id(t)] = src.float().cpu().clone() if src.is_floating_point() else src.cpu().clone()
+            out[key] = converted[id(t)]
+        return out
+
+    def memory_report(self) -> dict:
+        """MEASURED bytes on this rank: params, grads, optimizer (fp32 master slices + moments), total, peak."""
+        params = list(self.model.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.stage == 2:
+            grads += self.grad_shards + [a for a in self._acc32 if a is not None]
+        opt = list(self.master_shards) + optimizer_tensors(self.optimizer)
+        out = {"params": live_bytes(params), "grads": live_bytes(grads, exclude=params),
+               "optimizer": live_bytes(opt, exclude=params + grads)}
+        out["total"] = out["params"] + out["grads"] + out["optimizer"]
+        out["peak"] = self.last_peak
+        return out
+
+    def __repr__(self):
+        return (f"ZeRO(stage={self.stage}, precision={self.precision.name!r}, world_size={self.world_size}, "
+                f"{self.buckets!r})")
+

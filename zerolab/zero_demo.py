@@ -1,0 +1,204 @@
+"""Teaching variants and launched workers for chapters 6 (ZeRO-1) and 7 (ZeRO-2).
+
+The two "seed" engines are the short ZeRO implementations that blog posts show. Both train
+correctly; each takes a shortcut that costs something zl.ZeRO does not pay:
+
+* SeedZeRO1 all-reduces every gradient, whole, then keeps only the slice it owns: it sends
+  2 Psi for the gradients plus Psi for the all-gather of the parameters, 3 Psi per step,
+  where a reduce-scatter (which already leaves each rank exactly its slice) sends Psi.
+* SeedZeRO2 reduce-scatters (2 Psi per step, like zl.ZeRO) but only after backward, and it
+  never frees the full gradients: its memory is stage 1's, not stage 2's.
+
+Both work parameter by parameter (one collective per tensor, each padded on its own), fp32
+only. Everything goes through a zerolab.comm.Ledger, so the bytes are measured.
+The run_* functions at the bottom are what the chapters launch with zl.launch.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from .comm import Ledger
+from .data import CharDataset
+from .ddp import broadcast_from_rank0
+from .launch import rank as _rank, world_size as _world_size
+from .memory import live_bytes, model_state_bytes, optimizer_tensors
+from .models import GPT, gpt_config, gpt_loss, num_params
+from .single import build_optimizer
+
+
+class SeedZeRO1:
+    """ZeRO-1 as the seed blog writes it: all-reduce every gradient, then keep your slice."""
+
+    reduce_op = "all_reduce"
+
+    def __init__(self, model, optimizer):
+        self.comm = Ledger()
+        self.model = model
+        self.n, self.rank = _world_size(), _rank()
+        broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), self.comm)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.shards, self.slices = [], []
+        for p in self.params:
+            padded = -(-p.numel() // self.n) * self.n
+            size = padded // self.n
+            sl = slice(self.rank * size, (self.rank + 1) * size)
+            flat = torch.zeros(padded)
+            flat[:p.numel()] = p.detach().reshape(-1)
+            self.slices.append((sl, padded))
+            self.shards.append(flat[sl].clone())   # this rank's fp32 slice: the optimizer's
+        self.optimizer = build_optimizer(optimizer, self.shards, "fp32")
+
+    def __call__(self, *inputs):
+        return self.model(*inputs)
+
+    def backward(self, loss):
+        loss.backward()
+        self._sync_gradients()
+
+    def _padded_grad(self, p, padded):
+        flat = torch.zeros(padded)
+        if p.grad is not None:
+            flat[:p.numel()] = p.grad.reshape(-1)
+        return flat
+
+    def _sync_gradients(self):
+        for p, shard, (sl, padded) in zip(self.params, self.shards, self.slices):
+            full = self._padded_grad(p, padded)
+            full.div_(self.n)
+            self.comm.all_reduce(full, tag="grad")   # every rank gets ALL of it...
+            shard.grad = full[sl].clone()            # ...and keeps 1/N
+            p.grad = full[:p.numel()].view_as(p)     # the full gradient stays on every rank
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        self.optimizer.step()
+        for p, shard, (sl, padded) in zip(self.params, self.shards, self.slices):
+            full = torch.empty(padded)
+            self.comm.all_gather(full, shard.clone(), tag="param")
+            p.copy_(full[:p.numel()].view_as(p))
+        return True
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+        for s in self.shards:
+            s.grad = None
+
+    def memory_report(self) -> dict:
+        params = list(self.model.parameters())
+        grads = [p.grad for p in params if p.grad is not None] + [s.grad for s in self.shards
+                                                                   if s.grad is not None]
+        opt = self.shards + optimizer_tensors(self.optimizer)
+        out = {"params": live_bytes(params), "grads": live_bytes(grads, exclude=params),
+               "optimizer": live_bytes(opt, exclude=params + grads)}
+        out["total"] = out["params"] + out["grads"] + out["optimizer"]
+        return out
+
+    def full_state_dict(self) -> dict:
+        return {k: v.detach().float().clone() for k, v in self.model.state_dict().items()}
+
+
+class SeedZeRO2(SeedZeRO1):
+    """ZeRO-2 as the seed blog writes it: a reduce-scatter, but after backward, full grads kept."""
+
+    reduce_op = "reduce_scatter"
+
+    def _sync_gradients(self):
+        for p, shard, (sl, padded) in zip(self.params, self.shards, self.slices):
+            full = self._padded_grad(p, padded)
+            full.div_(self.n)
+            out = torch.empty(padded // self.n)
+            self.comm.reduce_scatter(out, full, tag="grad")
+            shard.grad = out
+            # the shortcut: p.grad (the whole local gradient) is never freed
+
+
+# ------------------------------------------------------------------ launched by the chapters
+
+OPT = partial(torch.optim.AdamW, lr=1e-3, eps=1e-6, weight_decay=0.1)
+
+
+def _gpt(size="nano"):
+    torch.manual_seed(0)
+    return GPT(gpt_config(size, bias=False))
+
+
+def _train(engine, steps, batch=2):
+    """`steps` steps of GPT training. Returns the losses, the bytes each collective moved in the
+    last step, and the memory measured after the last step, before zero_grad (gradients held)."""
+    import torch.distributed as dist
+    data = CharDataset(32)
+    r, n = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for s in range(steps):
+        engine.comm.reset()              # the ledger keeps the last step only
+        logits, loss = gpt_loss(engine, data.batch(s, batch, r, n))
+        engine.backward(loss)
+        engine.step()
+        if s == steps - 1:
+            memory = engine.memory_report()
+        engine.zero_grad()
+        losses.append(round(loss.item(), 4))
+    sent = {op: engine.comm.bytes(op=op) for op in ("all_reduce", "reduce_scatter", "all_gather")}
+    return losses, sent, memory
+
+
+def run_seed_vs_zero(variant: str, steps: int = 3, size: str = "nano"):
+    """One rank's view: bytes of the last step by collective, losses, final weights' checksum."""
+    from .zero import ZeRO
+    model = _gpt(size)
+    psi = num_params(model, trainable_only=True)
+    if variant == "seed1":
+        eng = SeedZeRO1(model, OPT)
+    elif variant == "seed2":
+        eng = SeedZeRO2(model, OPT)
+    else:
+        eng = ZeRO(model, OPT, stage=int(variant[-1]), bucket_mb=0.05)
+    losses, sent, memory = _train(eng, steps)
+    state = eng.full_state_dict()
+    return {"psi": psi, "bytes": sent, "losses": losses, "memory": memory,
+            "checksum": round(sum(v.double().abs().sum().item() for v in state.values()), 3)}
+
+
+def run_memory(stage: int, precision: str, size: str = "nano", bucket_mb: float = 0.05):
+    """Measured model-state bytes on this rank after two steps, and the paper's formula."""
+    from .zero import ZeRO
+    model = _gpt(size)
+    psi = num_params(model, trainable_only=True)
+    eng = ZeRO(model, OPT, stage=stage, precision=precision, bucket_mb=bucket_mb)
+    losses, sent, memory = _train(eng, 2)
+    n = eng.world_size
+    if precision == "fp32":
+        formula = model_state_bytes(psi, n, stage, k=8, param_bytes=4, grad_bytes=4)
+    else:
+        formula = model_state_bytes(psi, n, stage, k=12, param_bytes=2, grad_bytes=2)
+    elem = torch.empty((), dtype=eng.precision.compute_dtype).element_size()
+    return {"psi": psi, "n": n, "measured": memory, "formula": formula,
+            "comm_bytes": sent["reduce_scatter"] + sent["all_gather"], "comm_other": sent["all_reduce"], "comm_paper": 2 * (n - 1) / n * psi * elem,
+            "padded": eng.buckets.padded_numel}
+
+
+def run_grad_timeline(stage: int, size: str = "tiny", bucket_mb: float = 0.05):
+    """Gradient bytes this rank holds at each gradient hook of one backward (measured storages)."""
+    from .zero import ZeRO
+    import torch.distributed as dist
+    model = _gpt(size)
+    psi = num_params(model, trainable_only=True)
+    eng = ZeRO(model, OPT, stage=stage, bucket_mb=bucket_mb)
+    data = CharDataset(32)
+    r, n = dist.get_rank(), dist.get_world_size()
+    _train(eng, 1)
+    eng.grad_trace = []
+    logits, loss = gpt_loss(eng, data.batch(1, 2, r, n))
+    eng.backward(loss)
+    trace = [b for _, b in eng.grad_trace]
+    eng.grad_trace = None
+    out = {"psi": psi, "trace": trace, "bucket_bytes": eng.bucket_mb * 2**20,
+           "buckets": len(eng.buckets)}
+    if stage == 2:
+        out["buffer_bytes"] = eng.buffer_numel * 4
+        out["max_buffers"] = eng.max_buffers
+    return out
