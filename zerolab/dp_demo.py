@@ -185,3 +185,43 @@ def duplicated_memory(size: str = "small", precision: str = "bf16", batch: int =
     report = eng.memory_report()
     report["psi"] = sum(p.numel() for p in model.parameters())
     return report
+
+
+def train_losses(steps: int = 5, size: str = "nano", batch: int = 4, bucket_mb: float = 0.02):
+    """Train with zl.DDP from rank-dependent initial weights; return losses and final weights."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    model, data = _gpt(size, seed=0 if r == 0 else 1000 + r)   # the broadcast must make them equal
+    eng = _engine("overlapped", model, bucket_mb)
+    losses = []
+    for i in range(steps):
+        _, loss = gpt_loss(eng, data.batch(i, batch, r, n))
+        eng.backward(loss)
+        eng.step()
+        eng.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "state": eng.full_state_dict(), "buckets": len(eng.buckets.buckets)}
+
+
+def single_process_losses(steps: int = 5, size: str = "nano", global_batch: int = 8):
+    """The reference: one process, plain PyTorch, the whole global batch each step."""
+    model, data = _gpt(size, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    losses = []
+    for i in range(steps):
+        _, loss = gpt_loss(model, data.batch(i, global_batch))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def timelines(modes=("naive", "bucketed", "overlapped"), size: str = "small", batch: int = 4,
+              bucket_mb: float = 1.0, warmup: int = 1, steps: int = 2):
+    """`timeline` for several engines in one launch (starting processes is not free)."""
+    return {m: timeline(m, size, batch, bucket_mb, warmup, steps) for m in modes}
+
+
+def bytes_and_memory(with_memory: bool = True):
+    """bytes_per_step (fp32) and, optionally, duplicated_memory (bf16), in one launch."""
+    return {"bytes": bytes_per_step(batch=1), "memory": duplicated_memory(batch=1) if with_memory else None}

@@ -40,15 +40,17 @@ def overlap_fraction(intervals, compute_end: float) -> float:
 def plot_timeline(rows, ax=None, title=None):
     """rows: one dict per rank {"compute": [(start, end, label)], "comm": [(start, end, label)]}.
 
-    Times are seconds; bars are drawn in milliseconds from the earliest start.
+    Times are seconds on each rank's own clock; every lane starts at that rank's first event
+    (the ranks start a step together, after a barrier), and bars are drawn in milliseconds.
     """
     import matplotlib.pyplot as plt
 
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 0.9 + 0.8 * len(rows)))
-    t0 = min(s for row in rows for kind in ("compute", "comm") for s, *_ in row[kind])
     colors = {"forward": "#4C72B0", "backward": "#55A868", "step": "#8172B2", "comm": "#DD8452"}
     for r, row in enumerate(rows):
+        # each rank has its own clock: align every lane on that rank's first event
+        t0 = min(s for kind in ("compute", "comm") for s, *_ in row[kind])
         for s, e, label in row["compute"]:
             ax.barh(r + 0.18, (e - s) * 1e3, left=(s - t0) * 1e3, height=0.34,
                     color=colors.get(label, "#999999"))
