@@ -151,7 +151,10 @@ def run_seed_vs_zero(variant: str, steps: int = 3, size: str = "nano"):
     from .zero import ZeRO
     model = _gpt(size)
     psi = num_params(model, trainable_only=True)
-    if variant == "seed1":
+    if variant == "ddp":
+        from .ddp import DDP
+        eng = DDP(model, OPT, bucket_mb=0.05)
+    elif variant == "seed1":
         eng = SeedZeRO1(model, OPT)
     elif variant == "seed2":
         eng = SeedZeRO2(model, OPT)
@@ -202,3 +205,18 @@ def run_grad_timeline(stage: int, size: str = "tiny", bucket_mb: float = 0.05):
         out["buffer_bytes"] = eng.buffer_numel * 4
         out["max_buffers"] = eng.max_buffers
     return out
+
+
+def run_variants(variants, steps: int = 3, size: str = "nano"):
+    """run_seed_vs_zero for several engines in one launch: {variant: result}."""
+    return {v: run_seed_vs_zero(v, steps, size) for v in variants}
+
+
+def run_memory_many(configs, size: str = "nano"):
+    """run_memory for several (stage, precision) pairs in one launch."""
+    return {(stage, precision): run_memory(stage, precision, size) for stage, precision in configs}
+
+
+def run_grad_timelines(size: str = "tiny", bucket_mb: float = 0.05):
+    """run_grad_timeline for stage 1 and stage 2 in one launch."""
+    return {stage: run_grad_timeline(stage, size, bucket_mb) for stage in (1, 2)}
