@@ -4,8 +4,9 @@
     python -m zerolab bench --quick         # fewer steps, well under 2 minutes
     python -m zerolab bench --size tiny --world-size 4 --reps 5
 
-Each repetition launches both engines in turn (interleaved, so a slow moment of the machine
-hits both), times every training step (forward, backward with gradient averaging, AdamW
+Each repetition launches fresh processes that build both engines on the same initial weights
+and alternate them step by step (interleaved, so a slow moment of the machine hits both),
+times every training step (forward, backward with gradient averaging, AdamW
 step), and reports the median step time of each engine, their ratio, and for zl.DDP the
 fraction of all-reduce time hidden behind backward compute.
 """
@@ -38,69 +39,71 @@ def _time_steps(step_fn, warmup, steps):
     return times
 
 
-def bench_worker(engine: str, size: str, batch: int, bucket_mb: float, warmup: int, steps: int):
+def bench_worker(size: str, batch: int, bucket_mb: float, warmup: int, steps: int):
+    """Both engines in the same processes, alternating step by step (which one goes first
+    alternates too), so a slow moment of a shared machine hits both alike."""
+    from torch.nn.parallel import DistributedDataParallel
+    from .ddp import DDP
+
     rank, n = dist.get_rank(), dist.get_world_size()
+    opt = partial(torch.optim.AdamW, lr=3e-4)
+    data = CharDataset(gpt_config(size).block_size)
+
+    torch.manual_seed(0)
+    eng = DDP(GPT(gpt_config(size)), opt, bucket_mb=bucket_mb, track_peak=False)
     torch.manual_seed(0)
     model = GPT(gpt_config(size))
-    data = CharDataset(model.cfg.block_size)
-    opt = partial(torch.optim.AdamW, lr=3e-4)
-    counter = iter(range(10**9))
-    out = {}
-    if engine == "zl":
-        from .ddp import DDP
-        eng = DDP(model, opt, bucket_mb=bucket_mb, track_peak=False)
-        fractions = []
+    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+    optimizer = opt(ddp.parameters())
+    fractions = []
 
-        def step():
-            eng.comm.reset()
-            _, loss = gpt_loss(eng, data.batch(next(counter), batch, rank, n))
-            eng.backward(loss)
-            eng.step()
-            eng.zero_grad()
-            ivals = comm_intervals(eng.comm.records, "bucket")
-            fractions.append(overlap_fraction(ivals, eng.last_backward["compute_end"]))
+    def zl_step(i):
+        eng.comm.reset()
+        _, loss = gpt_loss(eng, data.batch(i, batch, rank, n))
+        eng.backward(loss)
+        eng.step()
+        eng.zero_grad()
+        fractions.append(overlap_fraction(comm_intervals(eng.comm.records, "bucket"),
+                                          eng.last_backward["compute_end"]))
 
-        out["times"] = _time_steps(step, warmup, steps)
-        out["overlap"] = statistics.median(fractions[warmup:])
-        out["buckets"] = len(eng.buckets.buckets)
-    else:
-        from torch.nn.parallel import DistributedDataParallel
-        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
-        optimizer = opt(ddp.parameters())
+    def torch_step(i):
+        _, loss = gpt_loss(ddp, data.batch(i, batch, rank, n))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()   # PyTorch's default: set_to_none=True
 
-        def step():
-            _, loss = gpt_loss(ddp, data.batch(next(counter), batch, rank, n))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=False)
-
-        out["times"] = _time_steps(step, warmup, steps)
-    out["params"] = sum(p.numel() for p in model.parameters())
-    return out
+    times = {"zl": [], "torch": []}
+    for i in range(warmup + steps):
+        order = [("zl", zl_step), ("torch", torch_step)]
+        for name, fn in order if i % 2 == 0 else order[::-1]:
+            dist.barrier()   # start together: a step lasts until its slowest rank is done
+            t = time.perf_counter()
+            fn(i)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t)
+    return {"times": times, "overlap": statistics.median(fractions[warmup:]),
+            "buckets": len(eng.buckets.buckets), "params": sum(p.numel() for p in model.parameters())}
 
 
 def run(size="small", world_size=2, batch=8, bucket_mb=1.0, reps=3, warmup=3, steps=10, log=print):
-    """Interleaved repetitions; returns a summary dict (medians in seconds)."""
+    """Repetitions (fresh processes each); returns a summary dict (medians in seconds)."""
     times = {"zl": [], "torch": []}
     overlaps, info = [], {}
     for rep in range(reps):
-        for engine in ("zl", "torch"):
-            res = launch(bench_worker, world_size, args=(engine, size, batch, bucket_mb, warmup, steps),
-                         timeout=300)
+        res = launch(bench_worker, world_size, args=(size, batch, bucket_mb, warmup, steps), timeout=300)
+        for engine in times:
             # a step is as slow as its slowest rank
-            per_step = [max(r["times"][i] for r in res) for i in range(steps)]
-            times[engine].extend(per_step)
-            if engine == "zl":
-                overlaps.append(statistics.median(r["overlap"] for r in res))
-                info["buckets"] = res[0]["buckets"]
-            info["params"] = res[0]["params"]
+            times[engine].extend(max(r["times"][engine][i] for r in res) for i in range(steps))
+        overlaps.append(statistics.median(r["overlap"] for r in res))
+        info = res[0]
         log(f"  rep {rep + 1}/{reps}: zl.DDP {statistics.median(times['zl'][-steps:]) * 1e3:7.2f} ms   "
             f"PyTorch DDP {statistics.median(times['torch'][-steps:]) * 1e3:7.2f} ms")
     zl_t, torch_t = statistics.median(times["zl"]), statistics.median(times["torch"])
+    pair = statistics.median(a / b for a, b in zip(times["zl"], times["torch"]))
     return {"size": size, "world_size": world_size, "batch": batch, "bucket_mb": bucket_mb,
-            "params": info["params"], "buckets": info.get("buckets"), "steps": len(times["zl"]),
+            "params": info["params"], "buckets": info["buckets"], "steps": len(times["zl"]),
             "zl_ms": zl_t * 1e3, "torch_ms": torch_t * 1e3, "ratio": zl_t / torch_t,
-            "overlap": statistics.median(overlaps)}
+            "pair_ratio": pair, "overlap": statistics.median(overlaps)}
 
 
 def main(argv=None):
@@ -134,6 +137,8 @@ def main(argv=None):
     print(f"|-------------|------------------|----------------------|")
     print(f"| zl.DDP      | {s['zl_ms']:16.2f} | {s['ratio']:20.3f} |")
     print(f"| PyTorch DDP | {s['torch_ms']:16.2f} | {1.0:20.3f} |")
+    print(f"\nmedian of the step-by-step ratios (each zl step against the PyTorch step next to it): "
+          f"{s['pair_ratio']:.3f}")
     print()
     print(f"{s['params']:,} parameters in {s['buckets']} zl buckets; zl.DDP hides {s['overlap']:.0%} of its "
           f"all-reduce time behind backward (median over steps; each all-reduce's end is known "

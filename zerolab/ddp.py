@@ -343,6 +343,7 @@ class DDP(NaiveDDP):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self._unused = set()    # positions of params no rank reached in the last backward
         self.last_backward = {}
+        self._detached = False  # True while some p.grad is not its bucket view
         self._reset_backward_state()
 
     def _stamp_finished(self):
@@ -368,9 +369,10 @@ class DDP(NaiveDDP):
         b, i = self.buckets.where[p]
         bucket = self.buckets.buckets[b]
         view = bucket.grad_view(i)
-        if p.grad is not None and p.grad is not view:  # p.grad was replaced: back into the bucket
-            if p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
+        grad = p.grad
+        if grad is not view:  # p.grad was replaced (or set to None): back into the bucket
+            if grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
             p.grad = view
         self._ready[b].add(id(p))
         if self._handles:
@@ -410,6 +412,7 @@ class DDP(NaiveDDP):
         if self._unused and not self.precision.policy.needs_master:
             for i in self._unused:
                 self.params[i].grad = None
+            self._detached = True
 
     def _backward(self, loss):
         # times on the ledger's clock, for timelines: backward start, end of autograd's
@@ -446,7 +449,9 @@ class DDP(NaiveDDP):
     def zero_grad(self) -> None:
         self._unused = set()
         self.buckets.zero_grads()
-        self.buckets.attach_grads()  # p.grad stays a view into its bucket
+        if self._detached:  # some p.grad was set to None: point it back into its bucket
+            self.buckets.attach_grads()
+            self._detached = False
         self._drop_master_grads()
         self._reduced = False
 
