@@ -73,27 +73,31 @@ def bench_worker(size: str, batch: int, bucket_mb: float, warmup: int, steps: in
         optimizer.zero_grad()   # PyTorch's default: set_to_none=True
 
     times = {"zl": [], "torch": []}
+    cpu = {"zl": [], "torch": []}   # CPU seconds this process used (all its threads, gloo's too)
     for i in range(warmup + steps):
         order = [("zl", zl_step), ("torch", torch_step)]
         for name, fn in order if i % 2 == 0 else order[::-1]:
             dist.barrier()   # start together: a step lasts until its slowest rank is done
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             fn(i)
             if i >= warmup:
                 times[name].append(time.perf_counter() - t)
-    return {"times": times, "overlap": statistics.median(fractions[warmup:]),
+                cpu[name].append(time.process_time() - c)
+    return {"times": times, "cpu": cpu, "overlap": statistics.median(fractions[warmup:]),
             "buckets": len(eng.buckets.buckets), "params": sum(p.numel() for p in model.parameters())}
 
 
 def run(size="small", world_size=2, batch=8, bucket_mb=1.0, reps=3, warmup=3, steps=10, log=print):
     """Repetitions (fresh processes each); returns a summary dict (medians in seconds)."""
     times = {"zl": [], "torch": []}
+    cpu = {"zl": [], "torch": []}
     overlaps, info = [], {}
     for rep in range(reps):
         res = launch(bench_worker, world_size, args=(size, batch, bucket_mb, warmup, steps), timeout=300)
         for engine in times:
             # a step is as slow as its slowest rank
             times[engine].extend(max(r["times"][engine][i] for r in res) for i in range(steps))
+            cpu[engine].extend(statistics.mean(r["cpu"][engine][i] for r in res) for i in range(steps))
         overlaps.append(statistics.median(r["overlap"] for r in res))
         info = res[0]
         log(f"  rep {rep + 1}/{reps}: zl.DDP {statistics.median(times['zl'][-steps:]) * 1e3:7.2f} ms   "
@@ -103,7 +107,9 @@ def run(size="small", world_size=2, batch=8, bucket_mb=1.0, reps=3, warmup=3, st
     return {"size": size, "world_size": world_size, "batch": batch, "bucket_mb": bucket_mb,
             "params": info["params"], "buckets": info["buckets"], "steps": len(times["zl"]),
             "zl_ms": zl_t * 1e3, "torch_ms": torch_t * 1e3, "ratio": zl_t / torch_t,
-            "pair_ratio": pair, "overlap": statistics.median(overlaps)}
+            "pair_ratio": pair, "overlap": statistics.median(overlaps),
+            "zl_cpu_ms": statistics.median(cpu["zl"]) * 1e3, "torch_cpu_ms": statistics.median(cpu["torch"]) * 1e3,
+            "cpu_ratio": statistics.median(cpu["zl"]) / statistics.median(cpu["torch"])}
 
 
 def main(argv=None):
@@ -133,10 +139,10 @@ def main(argv=None):
     s = run(a.size, a.world_size, a.batch, a.bucket_mb, a.reps, a.warmup, a.steps)
     main.last = s  # the summary, for callers that want the numbers
     print()
-    print(f"| engine      | median step (ms) | ratio to PyTorch DDP |")
-    print(f"|-------------|------------------|----------------------|")
-    print(f"| zl.DDP      | {s['zl_ms']:16.2f} | {s['ratio']:20.3f} |")
-    print(f"| PyTorch DDP | {s['torch_ms']:16.2f} | {1.0:20.3f} |")
+    print("| engine      | median step (ms) | ratio to PyTorch DDP | CPU per step and rank (ms) | CPU ratio |")
+    print("|-------------|------------------|----------------------|----------------------------|-----------|")
+    print(f"| zl.DDP      | {s['zl_ms']:16.2f} | {s['ratio']:20.3f} | {s['zl_cpu_ms']:26.2f} | {s['cpu_ratio']:9.3f} |")
+    print(f"| PyTorch DDP | {s['torch_ms']:16.2f} | {1.0:20.3f} | {s['torch_cpu_ms']:26.2f} | {1.0:9.3f} |")
     print(f"\nmedian of the step-by-step ratios (each zl step against the PyTorch step next to it): "
           f"{s['pair_ratio']:.3f}")
     print()

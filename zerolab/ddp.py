@@ -340,6 +340,7 @@ class DDP(NaiveDDP):
         self.params = self.buckets.params     # same order as the masters
         if not mixed:
             self.masters = self.params
+        self._where = {id(p): bi for p, bi in self.buckets.where.items()}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self._unused = set()    # positions of params no rank reached in the last backward
         self.last_backward = {}
@@ -349,14 +350,16 @@ class DDP(NaiveDDP):
     def _stamp_finished(self):
         # a Handle stamps its end time when waited on; checking in every hook stamps a
         # finished all-reduce within one hook's time of when it really finished (timelines)
-        for h in self._handles:
-            if h.record.end is None and h.is_completed():
-                h.wait()
+        # all-reduces finish in launch order, so look only at the oldest unstamped one(s)
+        while self._stamped < len(self._handles) and self._handles[self._stamped].is_completed():
+            self._handles[self._stamped].wait()
+            self._stamped += 1
 
     def _reset_backward_state(self):
         self._ready = [set() for _ in self.buckets.buckets]   # ids of params whose grad is in
         self._next = 0               # the next bucket to launch: always in index order
         self._handles = []
+        self._stamped = 0            # handles before this index have their end time
         self._callback_queued = False
 
     # -------------------------------------------------------------- the reduction
@@ -366,7 +369,7 @@ class DDP(NaiveDDP):
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
-        b, i = self.buckets.where[p]
+        b, i = self._where[id(p)]
         bucket = self.buckets.buckets[b]
         view = bucket.grad_view(i)
         grad = p.grad
@@ -375,7 +378,7 @@ class DDP(NaiveDDP):
                 view.copy_(grad)
             p.grad = view
         self._ready[b].add(id(p))
-        if self._handles:
+        if self._stamped < len(self._handles):
             self._stamp_finished()
         if self.overlap:
             while (self._next < len(self._ready)
