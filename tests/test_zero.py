@@ -394,8 +394,11 @@ def test_stage3_dispatches_to_zero3_or_says_why():
         with pytest.raises(NotImplementedError, match="zero3"):
             zl.ZeRO(AwkwardModel(), OPT, stage=3)
         return
-    eng = zl.ZeRO(AwkwardModel(), OPT, stage=3)
-    assert type(eng).__name__ == "ZeRO3"
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # ZeRO3's note that AwkwardModel is one unit
+        eng = zl.ZeRO(AwkwardModel(), OPT, stage=3)
+    assert isinstance(eng, zerolab.zero3.ZeRO3)
 
 
 def test_one_process_stage2_equals_plain_torch_in_process():

@@ -30,13 +30,21 @@ built on one flat fp32 tensor per bucket (the owned slice): it cannot tell it is
   buffers of one bucket each: the paper's constant buffer C_B, whatever the model's size
   (it grows only if more buckets are half-filled at once, and is released after backward).
 
+The class extends zerolab.ddp.NaiveDDP, which supplies what every engine shares (argument
+checks, check_same_model, the broadcast of rank 0's weights, forward, no_sync, loss scaling, the
+step's peak measurement, build_optimizer's refusal of a built optimizer). The bucket hooks are
+DDP's, written again here with a reduce-scatter where DDP all-reduces (DDP's own hooks carry
+DDP-only details, so sharing them would couple the two engines' internals).
+
 Choices, stated:
 
 * Gloo has no AVG: each bucket is divided by N, then summed.
 * Stage 1 reduce-scatters after backward (the issue's "after backward"); stage 2 overlaps.
-* The owned gradient slice (stage 2) is kept in the compute dtype, the paper's 2 Psi / N in
-  bf16/fp16. When several micro-batches accumulate, it is promoted to fp32 on the second one
-  and every later contribution is added in fp32 (fp32 accumulation of the owned slice).
+* Gradients are communicated in the compute dtype (bf16/fp16 in mixed precision). The owned
+  gradient slice (stage 2) is kept in that dtype too, the paper's 2 Psi / N. When several
+  micro-batches accumulate, it is promoted to fp32 on the second one and every later
+  contribution is added in fp32 (fp32 accumulation of the owned slice). The step always works
+  on fp32 copies of the owned slices.
 * Stage 2 cannot honour no_sync by skipping communication (there is no full gradient to
   accumulate into): inside no_sync every micro-batch is still reduce-scattered and added to the
   owned slice. Stage 1 honours no_sync like DDP.
@@ -124,7 +132,6 @@ class ZeRO(NaiveDDP):
             # fp32: the optimizer updates the owned slice of the model's own flat buffer
             self.master_shards = [b.data[s] for b, s in zip(buckets, self.shards)]
         self.masters = self.master_shards          # what the optimizer is built on
-        self.master_flats = None
         if self.stage == 1:
             self.buckets.bind_grads()                # full gradient buffers, as in DDP
             self.grad_shards = None
@@ -236,9 +243,12 @@ class ZeRO(NaiveDDP):
             self.buckets.buckets[b].grad[self.shards[b]].copy_(temp)
         else:
             if temp is not None:   # a later micro-batch: accumulate the owned slice in fp32
-                if self._acc32[b] is None:
-                    self._acc32[b] = self.grad_shards[b].float()
-                self._acc32[b].add_(temp)
+                if self.grad_shards[b].dtype == torch.float32:
+                    self.grad_shards[b].add_(temp)
+                else:
+                    if self._acc32[b] is None:
+                        self._acc32[b] = self.grad_shards[b].float()
+                    self._acc32[b].add_(temp)
             self._filled[b] = True
             del self._buffer_of[b]
             self._free.append(buf)
