@@ -119,6 +119,7 @@ class ZeRO(NaiveDDP):
         scale = elem / self.params[0].element_size()
         self.buckets = FlatBuckets(self.params, self.bucket_mb * 2**20 / scale, self.world_size)
         buckets = self.buckets.buckets
+        self.device = self.params[0].device
         self.rank = me = _rank()
         self.shards = [b.shard(me) for b in buckets]
         if mixed:
@@ -137,7 +138,8 @@ class ZeRO(NaiveDDP):
             self.grad_shards = None
         else:
             # only the owned gradient slice is kept (compute dtype; see the module docstring)
-            self.grad_shards = [torch.zeros(s.stop - s.start, dtype=dtype) for s in self.shards]
+            self.grad_shards = [torch.zeros(s.stop - s.start, dtype=dtype, device=self.device)
+                                for s in self.shards]
             self.buffer_numel = max(b.padded_numel for b in buckets)
             self.max_buffers = 0                     # most buffers alive at once (measured)
         self._acc32 = [None] * len(buckets)          # fp32 accumulators (stage 2, micro-batches)
@@ -168,7 +170,7 @@ class ZeRO(NaiveDDP):
             if self._alive < N_BUFFERS or not self._pending:
                 self._alive += 1
                 self.max_buffers = max(self.max_buffers, self._alive)
-                return torch.zeros(self.buffer_numel, dtype=self.precision.compute_dtype)
+                return torch.zeros(self.buffer_numel, dtype=self.precision.compute_dtype, device=self.device)
             self._complete(self._pending[0])     # wait for the oldest reduce-scatter
         buf = self._free.pop()
         buf.zero_()
@@ -228,7 +230,7 @@ class ZeRO(NaiveDDP):
         if self.stage == 2 and not self._filled[b]:
             out, temp = self.grad_shards[b], None   # straight into the owned slice
         else:
-            out = temp = torch.empty(size, dtype=flat.dtype)
+            out = temp = torch.empty(size, dtype=flat.dtype, device=self.device)
         h = self.comm.reduce_scatter(out, flat, async_op=True, tag=f"bucket{b}")
         self._handles.append(h)
         self._pending.append((h, b, buf, temp))
@@ -261,7 +263,7 @@ class ZeRO(NaiveDDP):
             self._launch(self._next)
         # Which parameters did ANY rank reach? One that no rank reached must not move.
         reached = torch.tensor([float(id(p) in ready) for b, ready in zip(self.buckets.buckets, self._ready)
-                                for p in b.params])
+                                for p in b.params], device=self.device)
         self.comm.all_reduce(reached, op="max", tag="used")
         for item in list(self._pending):
             self._complete(item)
@@ -393,10 +395,10 @@ class ZeRO(NaiveDDP):
         """
         full_of = {}
         for b, bucket in enumerate(self.buckets.buckets):
-            full = torch.empty(bucket.padded_numel, dtype=torch.float32)
+            full = torch.empty(bucket.padded_numel, dtype=torch.float32, device=self.device)
             self.comm.all_gather(full, self.master_shards[b].detach().clone(), tag="state")
             for p, view in zip(bucket.params, bucket.views(full)):
-                full_of[id(p)] = view.clone()
+                full_of[id(p)] = view.cpu().clone()
         out, converted = {}, {}
         for key, t in self.model.state_dict(keep_vars=True).items():
             if id(t) not in converted:
