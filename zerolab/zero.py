@@ -194,7 +194,10 @@ class ZeRO(NaiveDDP):
     # -------------------------------------------------------------- the reduction
     def _on_grad_ready(self, p):
         if not self._sync and self.stage == 1:
-            return  # no_sync (stage 1): gradients just accumulate in the full buckets
+            # no_sync (stage 1): gradients just accumulate in the full buckets; remember that
+            # this parameter was reached, so the synced backward does not take it for unused
+            self._ready[self.buckets.where[p][0]].add(id(p))
+            return
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
