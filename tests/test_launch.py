@@ -239,3 +239,48 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# ---- security: nothing a launch starts listens beyond loopback
+
+
+def _listening_sockets():
+    """(address, port) of every listening TCP socket this process owns, from /proc."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                cols = line.split()
+                local, state, inode = cols[1], cols[3], cols[9]
+                if state == "0A" and inode in inodes:        # 0A = LISTEN
+                    hex_addr, hex_port = local.split(":")
+                    if len(hex_addr) == 8:                    # IPv4, little-endian bytes
+                        addr = ".".join(str(int(hex_addr[i:i + 2], 16)) for i in (6, 4, 2, 0))
+                    else:
+                        addr = "ipv6:" + hex_addr
+                    found.append((addr, int(hex_port, 16)))
+    return found
+
+
+def listeners_after_a_collective():
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return _listening_sockets()
+
+
+def test_workers_listen_on_loopback_only(monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    per_rank = zl.launch(listeners_after_a_collective, 2)
+    assert per_rank[0], "rank 0 hosts the rendezvous store, so it must be listening somewhere"
+    for rank, sockets in enumerate(per_rank):
+        for addr, port in sockets:
+            assert addr == "127.0.0.1", f"rank {rank} listens on {addr}:{port}"

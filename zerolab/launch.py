@@ -3,7 +3,8 @@
     zl.launch(fn, world_size=2, args=(...))  ->  [value of rank 0, value of rank 1]
 
 Every rank is a fresh operating-system process. The parent picks one free port on
-127.0.0.1, starts the ranks, and waits. Workers print nothing: their output goes to a
+127.0.0.1 (nothing listens on any other interface unless MASTER_ADDR names one), starts the
+ranks, and waits. Workers print nothing: their output goes to a
 log file that is shown only if they fail. What `fn` returns is sent back to the parent,
 so a notebook shows results in rank order, the same on every run.
 
@@ -136,10 +137,10 @@ def _say_once(message: str) -> None:
 # --------------------------------------------------------------------- the worker side
 
 
-def _free_port() -> int:
-    """A port that is free now on 127.0.0.1 (chosen once, in the parent)."""
+def _free_port(addr: str) -> int:
+    """A port that is free now on `addr` (chosen once, in the parent)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((addr, 0))
         return s.getsockname()[1]
 
 
@@ -151,25 +152,58 @@ def _watch_parent() -> None:
         os._exit(1)
 
 
-def _worker(fn, args, rank_, world_size_, port, backend, timeout, conn, log_path):
+_LISTENER = []  # rank 0's listening socket: kept alive as long as its store
+
+
+def _rendezvous(rank_, world_size_, addr, port, timeout):
+    """The key-value store the ranks meet through, listening on `addr` only.
+
+    TCPStore on its own listens on every interface; handing it a socket we bound ourselves
+    keeps it on 127.0.0.1, so nothing a launch starts is reachable from another machine.
+    """
+    wait = datetime.timedelta(seconds=timeout)
+    if rank_ == 0:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr, port))
+        sock.listen(128)
+        _LISTENER.append(sock)
+        return dist.TCPStore(addr, port, world_size_, True, timeout=wait, wait_for_workers=False,
+                             master_listen_fd=sock.fileno())
+    return dist.TCPStore(addr, port, world_size_, False, timeout=wait)
+
+
+def _count_in(store, key: str, world_size_: int, add: bool = True) -> None:
+    """Add this rank to a counter in the store, then wait until every rank has."""
+    count = store.add(key, 1 if add else 0)
+    while count < world_size_:
+        time.sleep(0.001)
+        count = store.add(key, 0)
+
+
+def _worker(fn, args, rank_, world_size_, addr, port, backend, timeout, conn, log_path):
     # Workers print nothing to the caller: stdout and stderr (also of C++ code) go to a log.
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     threading.Thread(target=_watch_parent, daemon=True).start()
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank_),
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank_),
                       WORLD_SIZE=str(world_size_), LOCAL_RANK=str(rank_),
                       LOCAL_WORLD_SIZE=str(world_size_), ZEROLAB_WORKER="1")
+    if addr.startswith("127."):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets on loopback too
     torch.set_num_threads(1)  # one compute thread per CPU rank: ranks must not fight for cores
+    store = None
     try:
         kwargs = {}
         if backend == "nccl":
             torch.cuda.set_device(rank_)
             kwargs["device_id"] = torch.device("cuda", rank_)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank_,
-                                world_size=world_size_,
+        store = _rendezvous(rank_, world_size_, addr, port, timeout)
+        dist.init_process_group(backend, store=store, rank=rank_, world_size=world_size_,
                                 timeout=datetime.timedelta(seconds=timeout), **kwargs)
+        _count_in(store, "zerolab/initialised", world_size_)  # nobody starts before all are connected
         value = fn(*args)
         try:
             payload = pickle.dumps(("ok", value))
@@ -180,6 +214,11 @@ def _worker(fn, args, rank_, world_size_, port, backend, timeout, conn, log_path
         payload = pickle.dumps(("error", traceback.format_exc()))
     conn.send_bytes(payload)
     conn.close()
+    if store is not None:
+        # rank 0 hosts the store the others still talk to: it leaves last
+        store.add("zerolab/finished", 1)
+        if rank_ == 0:
+            _count_in(store, "zerolab/finished", world_size_, add=False)
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
@@ -304,7 +343,9 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
     backend = _choose_backend(world_size, backend)
 
     ctx = _context()
-    port = _free_port()
+    # Loopback only, unless the caller named another address to listen on (MASTER_ADDR).
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = _free_port(addr)
     logdir = tempfile.mkdtemp(prefix="zerolab-launch-")
     procs, conns, logs = [], [], []
     try:
@@ -312,7 +353,7 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
             receive, send = ctx.Pipe(duplex=False)
             log = os.path.join(logdir, f"rank{r}.log")
             p = ctx.Process(target=_worker, name=f"zerolab-rank{r}",
-                            args=(fn, tuple(args), r, world_size, port, backend, timeout, send, log))
+                            args=(fn, tuple(args), r, world_size, addr, port, backend, timeout, send, log))
             try:
                 with _main_module_hidden(fn):
                     p.start()
@@ -337,6 +378,35 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
             os.rmdir(logdir)
         except OSError:
             pass
+
+
+def _sent_nothing(conn) -> bool:
+    """True if a finished rank's pipe holds no message (poll() is also true at end of file)."""
+    if not conn.poll():
+        return True
+    try:
+        conn.recv_bytes()
+        return False
+    except EOFError:
+        return True
+
+
+def _raise_root_cause(procs, conns, logs, others, grace: float) -> None:
+    """A rank's error may only be the echo of another rank's death (its peer closed the
+    connection). Look briefly for a rank that died without a word, and blame that one."""
+    deadline = time.monotonic() + grace
+    others = set(others)
+    while others:
+        for q in sorted(others):
+            if procs[q].is_alive():
+                continue
+            others.discard(q)  # it has ended: it either sent something or it died silently
+            if _sent_nothing(conns[q]):
+                raise LaunchError(f"launch: rank {q} {_describe_exit(procs[q].exitcode)} before "
+                                  "returning a result." + _log_tail(logs[q]), q)
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.02)
 
 
 def _collect(procs, conns, logs, timeout):
@@ -370,6 +440,9 @@ def _collect(procs, conns, logs, timeout):
                     raise LaunchError(f"launch: rank {r} {_describe_exit(procs[r].exitcode)} "
                                       "before returning a result." + _log_tail(logs[r]), r) from None
                 if status == "error":
+                    # an error that reports a vanished peer is worth waiting a little longer on
+                    echo = any(w in value for w in ("closed by peer", "remote worker", "Connection reset"))
+                    _raise_root_cause(procs, conns, logs, pending - {r}, grace=3.0 if echo else 0.3)
                     raise LaunchError(f"launch: rank {r} raised an exception:\n{value}", r)
                 results[r] = value
                 pending.discard(r)
