@@ -25,9 +25,16 @@ _LAZY = {
     "single": ("zerolab.single", None),
     "SingleProcess": ("zerolab.single", "SingleProcess"),
     "plots": ("zerolab.plots", None),
+    "mesh": ("zerolab.mesh", None),
+    "Mesh": ("zerolab.mesh", "Mesh"),
+    "tensor_parallel": ("zerolab.tensor_parallel", None),
+    "checkpointing": ("zerolab.checkpointing", None),
+    "allocator": ("zerolab.allocator", None),
+    "debug": ("zerolab.debug", None),
     "DDP": ("zerolab.ddp", "DDP"),
     "NaiveDDP": ("zerolab.ddp", "NaiveDDP"),
     "ZeRO": ("zerolab.zero", "ZeRO"),
+    "ZeRO3": ("zerolab.zero3", "ZeRO3"),
 }
 
 
