@@ -140,12 +140,13 @@ def main(argv=None):
     s = run(a.size, a.world_size, a.batch, a.bucket_mb, a.reps, a.warmup, a.steps)
     main.last = s  # the summary, for callers that want the numbers
     print()
-    print("| engine      | median step (ms) | ratio to PyTorch DDP | CPU per step and rank (ms) | CPU ratio |")
-    print("|-------------|------------------|----------------------|----------------------------|-----------|")
-    print(f"| zl.DDP      | {s['zl_ms']:16.2f} | {s['ratio']:20.3f} | {s['zl_cpu_ms']:26.2f} | {s['cpu_ratio']:9.3f} |")
-    print(f"| PyTorch DDP | {s['torch_ms']:16.2f} | {1.0:20.3f} | {s['torch_cpu_ms']:26.2f} | {1.0:9.3f} |")
-    print(f"\nmedian of the step-by-step ratios (each zl step against the PyTorch step next to it): "
-          f"{s['pair_ratio']:.3f}")
+    print("| engine      | median step (ms) | step-time ratio | CPU per step and rank (ms) | CPU ratio |")
+    print("|-------------|------------------|-----------------|----------------------------|-----------|")
+    print(f"| zl.DDP      | {s['zl_ms']:16.2f} | {s['pair_ratio']:15.3f} | {s['zl_cpu_ms']:26.2f} | {s['cpu_ratio']:9.3f} |")
+    print(f"| PyTorch DDP | {s['torch_ms']:16.2f} | {1.0:15.3f} | {s['torch_cpu_ms']:26.2f} | {1.0:9.3f} |")
+    print(f"\nstep-time ratio: the median over steps of (zl step / the PyTorch step run right next to "
+          f"it), robust to the machine's load changing between repetitions; the ratio of the two "
+          f"medians is {s['ratio']:.3f}.")
     print()
     print(f"{s['params']:,} parameters in {s['buckets']} zl buckets; zl.DDP hides {s['overlap']:.0%} of its "
           f"all-reduce time behind backward (median over steps; each all-reduce's end is known "
