@@ -245,6 +245,41 @@ def test_accumulation_overlap_overflow_and_errors():
         assert r["mismatch"] is not None and "encoder.weight" in r["mismatch"]
 
 
+class Branchy(torch.nn.Module):
+    """A branch that only some micro-batches use."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = torch.nn.Linear(4, 4)
+        self.branch = torch.nn.Linear(4, 4)
+
+    def forward(self, x, use_branch):
+        h = self.trunk(x)
+        return self.branch(h) if use_branch else h
+
+
+def test_no_sync_keeps_gradients_of_a_branch_only_early_micro_batches_used():
+    # one process (world size 1): the bookkeeping, against plain autograd accumulation
+    torch.manual_seed(0)
+    model = Branchy()
+    ref = Branchy()
+    ref.load_state_dict(model.state_dict())
+    eng = zl.DDP(model, OPT)
+    x = torch.randn(3, 4)
+    with eng.no_sync():
+        eng.backward(eng(x, True).pow(2).mean())
+    eng.backward(eng(x, False).pow(2).mean())
+    ref(x, True).pow(2).mean().backward()
+    ref(x, False).pow(2).mean().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None, name     # reached in the first micro-batch: not "unused"
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    eng.step()
+    eng.zero_grad()
+    eng.backward(eng(x, False).pow(2).mean())   # now the branch is truly unused: no gradient
+    assert model.branch.weight.grad is None and model.trunk.weight.grad is not None
+
+
 def test_bad_input_single_process():
     model = AwkwardModel()
     with pytest.raises(ValueError, match="bucket_mb"):

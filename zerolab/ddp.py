@@ -345,6 +345,7 @@ class DDP(NaiveDDP):
         self._unused = set()    # positions of params no rank reached in the last backward
         self.last_backward = {}
         self._detached = False  # True while some p.grad is not its bucket view
+        self._reached_early = set()  # ids of params reached by no_sync backwards of this step
         self._reset_backward_state()
 
     def _stamp_finished(self):
@@ -364,19 +365,21 @@ class DDP(NaiveDDP):
 
     # -------------------------------------------------------------- the reduction
     def _on_grad_ready(self, p):
-        if not self._sync:
-            return  # no_sync: gradients just accumulate in the buckets
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self._callback_queued = True
         b, i = self._where[id(p)]
-        bucket = self.buckets.buckets[b]
-        view = bucket.grad_view(i)
+        view = self.buckets.buckets[b].grad_view(i)
         grad = p.grad
         if grad is not view:  # p.grad was replaced (or set to None): back into the bucket
             if grad.data_ptr() != view.data_ptr():
                 view.copy_(grad)
             p.grad = view
+        if not self._sync:
+            # no_sync: the gradient just accumulates in its bucket; remember that this step
+            # reached the parameter even if the last micro-batch does not
+            self._reached_early.add(id(p))
+            return
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
         self._ready[b].add(id(p))
         if self._stamped < len(self._handles):
             self._stamp_finished()
@@ -391,8 +394,8 @@ class DDP(NaiveDDP):
         if b == len(self.buckets.buckets) - 1:   # the last one carries the "reached" flags
             buf = self._tail
             buf[bucket.padded_numel:] = torch.tensor(
-                [float(id(p) in ready) for bk, ready in zip(self.buckets.buckets, self._ready)
-                 for p in bk.params], dtype=buf.dtype)
+                [float(id(p) in ready or id(p) in self._reached_early)
+                 for bk, ready in zip(self.buckets.buckets, self._ready) for p in bk.params], dtype=buf.dtype)
         buf.div_(self.world_size)  # gloo has no AVG: divide, then sum
         self._handles.append(self.comm.all_reduce(buf, async_op=True, tag=f"bucket{b}"))
         self._next = b + 1
@@ -410,6 +413,7 @@ class DDP(NaiveDDP):
         reached = self._tail[self.buckets.buckets[-1].padded_numel:]
         self._unused = set((reached == 0).nonzero().flatten().tolist())
         self._reset_backward_state()
+        self._reached_early = set()
         self._finished = True
         self.last_backward["end"] = self.comm.now()
         if self._unused and not self.precision.policy.needs_master:
@@ -451,6 +455,7 @@ class DDP(NaiveDDP):
 
     def zero_grad(self) -> None:
         self._unused = set()
+        self._reached_early = set()
         self.buckets.zero_grads()
         if self._detached:  # some p.grad was set to None: point it back into its bucket
             self.buckets.attach_grads()
