@@ -120,3 +120,18 @@ def test_diverging_schedules_are_named():
     msg = str(info.value)
     assert "all_reduce 'step2' (collective #3 of rank 0)" in msg
     assert "rank 1 (last at #2 all_reduce 'step1')" in msg
+
+
+def blocking_point_to_point():
+    led = Ledger()
+    t = torch.zeros(3)
+    if dist.get_rank() == 0:
+        led.send(torch.arange(3.0), dst=1)
+    else:
+        led.recv(t, src=0)
+    return t.tolist(), led.bytes()
+
+
+def test_blocking_send_and_recv():
+    out = zl.launch(blocking_point_to_point, 2)
+    assert out == [([0.0, 0.0, 0.0], 12), ([0.0, 1.0, 2.0], 0)], "the sender counts the bytes it sends"

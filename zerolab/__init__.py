@@ -25,6 +25,7 @@ _LAZY = {
     "single": ("zerolab.single", None),
     "SingleProcess": ("zerolab.single", "SingleProcess"),
     "plots": ("zerolab.plots", None),
+    "timeline": ("zerolab.timeline", None),
     "mesh": ("zerolab.mesh", None),
     "Mesh": ("zerolab.mesh", "Mesh"),
     "tensor_parallel": ("zerolab.tensor_parallel", None),

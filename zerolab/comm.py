@@ -151,7 +151,7 @@ class Ledger:
     def _run(self, op, tensor_full_numel, dtype, factor, call, group, async_op, tag):
         group = self.group if group is None else group
         n = _group_size(group)
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = dtype.itemsize
         rec = CommRecord(op=op, dtype=str(dtype).replace("torch.", ""), numel=int(tensor_full_numel),
                          bytes_sent=round(factor(n) * tensor_full_numel * elem), group_size=n,
                          start=self.now(), tag=tag, async_op=async_op)
@@ -161,6 +161,8 @@ class Ledger:
             work = None  # one rank: the result is already in place, nothing moves
         elif self.timeout is None:
             work = call(group, async_op)
+            if not async_op:
+                work = None  # done already (dist.recv even returns the sender's rank, not a Work)
         else:
             seq = self._announce(rec)
             work = call(group, True)  # asynchronous, so that the wait can be bounded

@@ -50,7 +50,9 @@ class SingleProcess:
                                           isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be None or a number > 0; got {max_grad_norm!r}")
         self.comm = Ledger()  # one process: nothing moves, but engines share the interface
-        self.precision = MixedPrecision(precision, scaler=scaler, ledger=self.comm)
+        # No ledger for the precision checks: the reference must never talk to other ranks,
+        # even when it runs inside a multi-rank job (its verdicts are this process's own).
+        self.precision = MixedPrecision(precision, scaler=scaler, ledger=None)
         self.model = model
         self.max_grad_norm = max_grad_norm
         self.track_peak = track_peak
@@ -105,7 +107,7 @@ class SingleProcess:
             self._drop_master_grads()
             return False
         if self.max_grad_norm is not None:
-            self.last_grad_norm = clip_grad_norm_(grads, self.max_grad_norm, self.comm)
+            self.last_grad_norm = clip_grad_norm_(grads, self.max_grad_norm)
         self.optimizer.step()
         if mixed:
             # refresh: the compute copy is the cast of the authoritative fp32 master
