@@ -1,0 +1,509 @@
+"""Sharded checkpoints: save, load (at any world size or stage), consolidate.
+
+    zl.checkpoint.save(engine, "ckpt/", extra={"data_step": 3})   # every rank calls it
+    zl.checkpoint.load(engine, "ckpt/")                            # -> the `extra` dict
+    state = zl.checkpoint.consolidate("ckpt/")                     # no process group needed
+
+A checkpoint is a directory:
+
+    metadata.json                  the layout: every parameter's name, shape, and which file
+                                   holds which element range of it; written LAST
+    shard-<id>-00000-of-00002.pt   what rank 0 owns: for each piece (parameter name, lo, hi)
+                                   its fp32 master values and optimizer state; rank 0's file
+                                   also holds the buffers; every file holds its rank's step
+                                   count, loss scaler, RNG states and your `extra`
+
+The unit of the layout is the PIECE: elements [lo, hi) of one parameter, flattened. No rank
+ever gathers the full model to save: ZeRO ranks write the pieces of their own flat shard, and
+engines whose ranks hold the same replica (SingleProcess, DDP) split each parameter N ways so
+each rank writes 1/N of it. Loading reads, for each element range the new engine owns, the
+pieces that overlap it, so a checkpoint saved by ZeRO-3 on 2 ranks loads into ZeRO-2 on 4 from
+the metadata alone.
+
+Nothing is ever lost by a crash mid-save: shards are written under fresh names (a new <id> per
+save) into temporary files and renamed, and metadata.json (which names the shards to use) is
+replaced atomically only after every rank has written its shard. Until that rename the old
+metadata still points at the old, untouched shards. Old shards are removed after it.
+
+Loading never runs code: shards are read with torch.load(weights_only=True) and the metadata is
+JSON. A missing, truncated or corrupt shard (checked against the size and SHA-256 recorded in
+the metadata) or a model that does not match raises CheckpointError naming the file and what is
+wrong, before anything in the engine has changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import random
+import secrets
+
+import torch
+
+FORMAT = 1
+METADATA = "metadata.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be saved or loaded; the message names the file and the problem."""
+
+
+# ------------------------------------------------------------------ what each engine owns
+#
+# A segment says: elements [t_lo, t_lo + hi - lo) of tensor.view(-1) are elements [lo, hi) of
+# parameter `name` (flattened). Every engine is described by three lists of segments:
+#   opt     the tensors the optimizer updates (fp32 masters), with their optimizer state
+#   frozen  frozen parameters this rank holds
+#   save    which of those this rank writes (replicated engines: 1/N of each)
+
+
+def _kind(engine) -> str:
+    if hasattr(engine, "units"):
+        return "zero3"
+    if hasattr(engine, "master_shards"):
+        return f"zero{engine.stage}"
+    if hasattr(engine, "buckets") and hasattr(engine, "master_flats"):
+        return "ddp"
+    if hasattr(engine, "world_size") and hasattr(engine, "masters"):
+        return "naive_ddp"
+    if hasattr(engine, "masters") and hasattr(engine, "optimizer"):
+        return "single"
+    raise TypeError(f"engine must be a zerolab engine (SingleProcess, DDP, NaiveDDP, ZeRO, ZeRO3), "
+                    f"got {type(engine).__name__}")
+
+
+def _names(model) -> dict:
+    """id(parameter) -> its name (the first name of a tied weight)."""
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def _group(engine):
+    return getattr(engine.comm, "group", None)
+
+
+def _rank_size(engine):
+    """(rank, size) of the group the engine shards or replicates over; SingleProcess: (0, 1)."""
+    if _kind(engine) == "single":
+        return 0, 1
+    return int(getattr(engine, "rank", _dist_rank(engine))), int(engine.world_size)
+
+
+def _dist_rank(engine):
+    g = _group(engine)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(g) if g is not None else torch.distributed.get_rank()
+    return 0
+
+
+def _flat_segments(tensor, bucket, shard, names):
+    """Segments of a tensor that holds slice `shard` of a flat padded bucket."""
+    out = []
+    for p, o, n in zip(bucket.params, bucket.offsets, bucket.sizes):
+        lo, hi = max(o, shard.start), min(o + n, shard.stop)
+        if lo < hi:
+            out.append((tensor, lo - shard.start, names[id(p)], lo - o, hi - o))
+    return out
+
+
+def _segments(engine):
+    """(opt segments, frozen segments, replicated?) for this rank of `engine`."""
+    kind, model = _kind(engine), engine.model
+    names = _names(model)
+    frozen_params = [p for p in model.parameters() if not p.requires_grad]
+    if kind == "zero3":
+        opt, frozen = [], []
+        for u in engine.units:
+            if "train" in u.buckets:
+                b = u.buckets["train"]
+                opt += _flat_segments(u.master, b, b.shard(engine.rank), names)
+            if "frozen" in u.buckets:
+                b = u.buckets["frozen"]
+                frozen += _flat_segments(u.shard["frozen"], b, b.shard(engine.rank), names)
+        return opt, frozen, False
+    frozen = [(p, 0, names[id(p)], 0, p.numel()) for p in frozen_params]
+    if kind in ("zero1", "zero2"):
+        opt = []
+        for b, bucket in enumerate(engine.buckets.buckets):
+            opt += _flat_segments(engine.master_shards[b], bucket, engine.shards[b], names)
+        return opt, frozen, False
+    # single, naive_ddp, ddp: one master per parameter, in engine.params order
+    opt = [(m, 0, names[id(p)], 0, p.numel()) for p, m in zip(engine.params, engine.masters)]
+    return opt, frozen, True
+
+
+def _split(segments, rank, size):
+    """Rank `rank`'s 1/size of every segment (replicated engines write each element once)."""
+    out = []
+    for t, t_lo, name, lo, hi in segments:
+        step = -(-(hi - lo) // size)
+        a, b = lo + rank * step, min(hi, lo + (rank + 1) * step)
+        if a < b:
+            out.append((t, t_lo + a - lo, name, a, b))
+    return out
+
+
+def _refresh_compute(engine, reader):
+    """After the masters are loaded: make the compute copies (what forward uses) match them."""
+    kind = _kind(engine)
+    mixed = engine.precision.policy.needs_master
+    with torch.no_grad():
+        if kind == "zero3":
+            if mixed:
+                for u in engine.units:
+                    if u.master is not None:
+                        u.shard["train"].copy_(u.master)
+        elif kind in ("zero1", "zero2"):
+            # every rank holds the whole compute model: read each parameter whole
+            names = _names(engine.model)
+            for p in engine.params:
+                reader.fill(p.data.view(-1), names[id(p)], 0, p.numel(), "value")
+            if not mixed:   # fp32: the master shard is a view of the data just written
+                pass
+        elif mixed:
+            for p, m in zip(engine.params, engine.masters):
+                p.data.copy_(m)
+
+
+# ------------------------------------------------------------------ saving
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    v, internal, gauss = state["python"]
+    random.setstate((v, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _agree(engine, value: int, op: str) -> int:
+    """One int agreed by every rank of the engine's group (through its ledger)."""
+    if _rank_size(engine)[1] == 1 and _kind(engine) in ("single",):
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    engine.comm.all_reduce(t, op=op, group=_group(engine), tag="checkpoint")
+    return int(t.item())
+
+
+def _check_path(path, what="path"):
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"checkpoint: {what} must be a str or os.PathLike directory, got {type(path).__name__}")
+    return os.fspath(path)
+
+
+def save(engine, path, extra: dict | None = None) -> str:
+    """Every rank writes its own shard of `engine` into directory `path`; returns the metadata path.
+
+    `extra` (ints, floats, strings, lists, dicts, tensors) is stored per rank and returned by
+    load(): put the data position there. Every rank of the engine must call save.
+    """
+    path = _check_path(path)
+    kind = _kind(engine)
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"checkpoint.save: extra must be a dict or None, got {type(extra).__name__}")
+    if kind == "single" and _dist_rank(engine) != 0:
+        return os.path.join(path, METADATA)   # replicas of the reference: rank 0 speaks for all
+    rank, size = _rank_size(engine)
+    opt_segments, frozen_segments, replicated = _segments(engine)
+    if replicated:
+        opt_segments, frozen_segments = _split(opt_segments, rank, size), _split(frozen_segments, rank, size)
+    elif kind != "zero3":   # ZeRO-1/2: frozen parameters are replicated
+        frozen_segments = _split(frozen_segments, rank, size)
+    os.makedirs(path, exist_ok=True)
+    # one fresh id per save, the same on every rank: rank 0's random number wins
+    token = _agree(engine, secrets.randbits(62) if rank == 0 else 0, "max")
+    sid = f"{engine.steps:08d}-{token:016x}"
+
+    optimizer = engine.optimizer
+    pieces = []
+    with torch.no_grad():
+        for t, t_lo, name, lo, hi in opt_segments:
+            n = hi - lo
+            piece = {"name": name, "lo": lo, "hi": hi,
+                     "value": t.detach().reshape(-1)[t_lo:t_lo + n].float().cpu().clone(),
+                     "state": {}, "scalars": {}}
+            for k, v in optimizer.state.get(t, {}).items():
+                if isinstance(v, torch.Tensor) and v.shape == t.shape:
+                    piece["state"][k] = v.reshape(-1)[t_lo:t_lo + n].cpu().clone()
+                else:
+                    piece["scalars"][k] = v.cpu().clone() if isinstance(v, torch.Tensor) else v
+            pieces.append(piece)
+        for t, t_lo, name, lo, hi in frozen_segments:
+            pieces.append({"name": name, "lo": lo, "hi": hi, "state": {}, "scalars": {},
+                           "value": t.detach().reshape(-1)[t_lo:t_lo + hi - lo].float().cpu().clone()})
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    content = {
+        "format": FORMAT, "rank": rank, "world_size": size, "pieces": pieces,
+        "buffers": ({n: b.detach().cpu().clone() for n, b in engine.model.named_buffers()}
+                    if rank == 0 else {}),
+        "steps": int(engine.steps), "precision": engine.precision.state_dict(),
+        "param_groups": groups, "rng": _rng_state(), "extra": extra or {},
+    }
+    buf = io.BytesIO()
+    torch.save(content, buf)
+    data = buf.getvalue()
+    fname = f"shard-{sid}-{rank:05d}-of-{size:05d}.pt"
+    _atomic_write(os.path.join(path, fname), data)
+    desc = {"file": fname, "rank": rank, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+            "pieces": [[p["name"], p["lo"], p["hi"]] for p in pieces]}
+    _atomic_write(os.path.join(path, fname + ".json"), json.dumps(desc).encode())
+
+    # every shard is on disk before rank 0 writes the metadata that names them
+    _agree(engine, 1, "min")
+    meta_path = os.path.join(path, METADATA)
+    if rank == 0:
+        shards = []
+        for r in range(size):
+            with open(os.path.join(path, f"shard-{sid}-{r:05d}-of-{size:05d}.pt.json")) as f:
+                shards.append(json.load(f))
+        model = engine.model
+        sd = model.state_dict(keep_vars=True)
+        names = _names(model)
+        meta = {
+            "format": FORMAT, "engine": kind, "world_size": size, "steps": int(engine.steps),
+            "precision": engine.precision.name,
+            "params": {n: {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""),
+                           "trainable": p.requires_grad} for n, p in model.named_parameters()},
+            "buffers": [n for n, _ in model.named_buffers()],
+            # state_dict key -> the parameter it is (tied weights: several keys, one name)
+            "keys": {k: names.get(id(t), k) for k, t in sd.items()},
+            "shards": shards,
+        }
+        _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
+        # the new checkpoint is in place: shards of earlier saves are garbage now
+        keep = {s["file"] for s in shards} | {s["file"] + ".json" for s in shards} | {METADATA}
+        for f in os.listdir(path):
+            if f.startswith("shard-") and f not in keep and ".tmp-" not in f:
+                try:
+                    os.remove(os.path.join(path, f))
+                except FileNotFoundError:
+                    pass
+    _agree(engine, 1, "min")   # nobody returns before the metadata is in place
+    return meta_path
+
+
+# ------------------------------------------------------------------ reading
+
+
+class _Reader:
+    """The metadata, and the shards read on demand (checked, weights_only)."""
+
+    def __init__(self, path):
+        self.path = path = _check_path(path)
+        self.meta_path = os.path.join(path, METADATA)
+        if not os.path.isdir(path):
+            raise CheckpointError(f"{path}: no such checkpoint directory")
+        if not os.path.exists(self.meta_path):
+            raise CheckpointError(f"{self.meta_path}: missing; the directory holds no complete "
+                                  "checkpoint (a save that never finished leaves none)")
+        try:
+            with open(self.meta_path) as f:
+                self.meta = json.load(f)
+            if self.meta.get("format") != FORMAT:
+                raise ValueError(f"format {self.meta.get('format')!r}, expected {FORMAT}")
+            for key in ("params", "shards", "keys", "world_size", "buffers"):
+                self.meta[key]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{self.meta_path}: not valid zerolab checkpoint metadata ({e})") from None
+        self.by_name: dict = {}   # name -> [(shard index, piece index, lo, hi)]
+        for si, s in enumerate(self.meta["shards"]):
+            for pi, (name, lo, hi) in enumerate(s["pieces"]):
+                self.by_name.setdefault(name, []).append((si, pi, lo, hi))
+        self._cache: dict = {}
+
+    def shard(self, si: int) -> dict:
+        if si not in self._cache:
+            s = self.meta["shards"][si]
+            f = os.path.join(self.path, s["file"])
+            if not os.path.exists(f):
+                raise CheckpointError(f"{f}: missing shard (rank {s['rank']} of {self.meta['world_size']})")
+            with open(f, "rb") as fh:
+                data = fh.read()
+            if len(data) != s["bytes"]:
+                raise CheckpointError(f"{f}: truncated or wrong size: {len(data)} bytes, the metadata "
+                                      f"records {s['bytes']}")
+            if hashlib.sha256(data).hexdigest() != s["sha256"]:
+                raise CheckpointError(f"{f}: corrupt: its SHA-256 does not match the metadata")
+            try:
+                content = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001 - any unreadable file is reported the same way
+                raise CheckpointError(f"{f}: cannot be read as a weights-only torch file "
+                                      f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+            if not isinstance(content, dict) or content.get("format") != FORMAT or \
+                    len(content.get("pieces", ())) != len(s["pieces"]):
+                raise CheckpointError(f"{f}: does not hold the pieces the metadata lists")
+            self._cache[si] = content
+        return self._cache[si]
+
+    def pieces(self, name, lo, hi):
+        """(piece dict, lo, hi) of every saved piece of `name` overlapping [lo, hi)."""
+        for si, pi, plo, phi in self.by_name.get(name, []):
+            if plo < hi and lo < phi:
+                yield self.shard(si)["pieces"][pi], plo, phi
+
+    def fill(self, dst, name, lo, hi, field, must_cover=True) -> bool:
+        """dst (1-D, hi - lo elements) <- elements [lo, hi) of `name`'s `field` ("value" or a state key)."""
+        covered = 0
+        for piece, plo, phi in self.pieces(name, lo, hi):
+            src = piece["value"] if field == "value" else piece["state"].get(field)
+            if src is None:
+                continue
+            a, b = max(lo, plo), min(hi, phi)
+            dst[a - lo:b - lo].copy_(src[a - plo:b - plo])
+            covered += b - a
+        if must_cover and covered != hi - lo:
+            raise CheckpointError(f"{self.meta_path}: the shards cover {covered} of elements "
+                                  f"[{lo}, {hi}) of {name!r}, not all of them")
+        return covered > 0
+
+    def check_model(self, model) -> None:
+        """Raise unless `model` has exactly the saved parameters (names, shapes) and buffers."""
+        saved = self.meta["params"]
+        mine = {n: p for n, p in model.named_parameters()}
+        for n, p in mine.items():
+            if n not in saved:
+                raise CheckpointError(f"{self.meta_path}: the model has parameter {n!r} "
+                                      "but the checkpoint does not (a different model?)")
+            if list(p.shape) != saved[n]["shape"]:
+                raise CheckpointError(f"{self.meta_path}: parameter {n!r} has shape {list(p.shape)} in "
+                                      f"the model but {saved[n]['shape']} in the checkpoint")
+            if p.requires_grad != saved[n]["trainable"]:
+                raise CheckpointError(f"{self.meta_path}: parameter {n!r} is "
+                                      f"{'trainable' if p.requires_grad else 'frozen'} in the model "
+                                      "but not in the checkpoint")
+        for n in saved:
+            if n not in mine:
+                raise CheckpointError(f"{self.meta_path}: the checkpoint has parameter {n!r} "
+                                      "but the model does not (a different model?)")
+        if sorted(n for n, _ in model.named_buffers()) != sorted(self.meta["buffers"]):
+            raise CheckpointError(f"{self.meta_path}: the model's buffers differ from the checkpoint's")
+
+    def check_all(self) -> None:
+        """Read every shard (size, hash, weights-only load) and check the pieces tile every parameter."""
+        for si in range(len(self.meta["shards"])):
+            self.shard(si)
+        for name, info in self.meta["params"].items():
+            numel = 1
+            for d in info["shape"]:
+                numel *= d
+            spans = sorted((lo, hi) for _, _, lo, hi in self.by_name.get(name, []))
+            at = 0
+            for lo, hi in spans:
+                if lo != at:
+                    break
+                at = hi
+            if at != numel:
+                raise CheckpointError(f"{self.meta_path}: the shards do not cover parameter {name!r} "
+                                      f"(elements {at}..{numel} missing)")
+
+
+# ------------------------------------------------------------------ loading
+
+
+def load(engine, path) -> dict:
+    """Restore `engine` from the checkpoint in `path`; returns this rank's `extra` dict.
+
+    Same world size and engine: the run continues bit for bit as if it had never stopped (RNG
+    states included). Another world size or stage: parameters and optimizer state are
+    resharded from the metadata (step counts, scaler and `extra` come from rank 0's shard).
+    Every rank of the engine must call load.
+    """
+    path = _check_path(path)
+    kind = _kind(engine)
+    rank, size = _rank_size(engine)
+    # read and check everything before changing anything
+    reader = _Reader(path)
+    reader.check_model(engine.model)
+    reader.check_all()
+    same = reader.meta["world_size"] == size and reader.meta["engine"] == kind
+    own = rank if reader.meta["world_size"] == size else 0
+    info = reader.shard(own)
+    if info["precision"]["precision"] != engine.precision.name:
+        raise CheckpointError(f"{reader.meta_path}: saved with precision {info['precision']['precision']!r}, "
+                              f"the engine uses {engine.precision.name!r}")
+    if len(info["param_groups"]) != len(engine.optimizer.param_groups):
+        raise CheckpointError(f"{reader.meta_path}: the optimizer has {len(engine.optimizer.param_groups)} "
+                              f"param groups, the checkpoint {len(info['param_groups'])}")
+    opt_segments, frozen_segments, _ = _segments(engine)
+    optimizer = engine.optimizer
+    with torch.no_grad():
+        by_tensor: dict = {}
+        for seg in opt_segments:
+            by_tensor.setdefault(id(seg[0]), (seg[0], []))[1].append(seg)
+        for t, segs in by_tensor.values():
+            flat = t.data.view(-1)
+            keys, scalars, any_state = set(), {}, False
+            for _, t_lo, name, lo, hi in segs:
+                reader.fill(flat[t_lo:t_lo + hi - lo], name, lo, hi, "value")
+                for piece, _, _ in reader.pieces(name, lo, hi):
+                    keys |= set(piece["state"])
+                    for k, v in piece["scalars"].items():
+                        scalars.setdefault(k, v)
+                    any_state = any_state or bool(piece["state"]) or bool(piece["scalars"])
+            optimizer.state.pop(t, None)
+            if any_state:
+                state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
+                for k in sorted(keys):
+                    # padding and pieces without this state stay zero, as in a fresh shard
+                    state[k] = torch.zeros_like(t)
+                    for _, t_lo, name, lo, hi in segs:
+                        reader.fill(state[k].view(-1)[t_lo:t_lo + hi - lo], name, lo, hi, k, must_cover=False)
+                optimizer.state[t] = state
+        for t, t_lo, name, lo, hi in frozen_segments:
+            tmp = torch.empty(hi - lo)
+            reader.fill(tmp, name, lo, hi, "value")
+            t.data.view(-1)[t_lo:t_lo + hi - lo].copy_(tmp)
+        buffers = reader.shard(0)["buffers"]
+        for n, b in engine.model.named_buffers():
+            b.copy_(buffers[n])
+        for g, saved in zip(optimizer.param_groups, info["param_groups"]):
+            g.update(saved)
+        _refresh_compute(engine, reader)
+    engine.steps = int(info["steps"])
+    engine.precision.load_state_dict(info["precision"])
+    if same:
+        _set_rng_state(info["rng"])
+    return dict(info["extra"])
+
+
+def consolidate(path) -> dict:
+    """The full fp32 state dict (original keys, no padding, tied weights shared), no processes."""
+    reader = _Reader(path)
+    reader.check_all()
+    full = {}
+    for name, info in reader.meta["params"].items():
+        numel = 1
+        for d in info["shape"]:
+            numel *= d
+        t = torch.empty(numel, dtype=torch.float32)
+        reader.fill(t, name, 0, numel, "value")
+        full[name] = t.view(info["shape"])
+    buffers = reader.shard(0)["buffers"]
+    out = {}
+    for key, name in reader.meta["keys"].items():
+        if name in full:
+            out[key] = full[name]
+        elif key in buffers:
+            b = buffers[key]
+            out[key] = b.float() if b.is_floating_point() else b
+        else:
+            raise CheckpointError(f"{reader.meta_path}: state_dict key {key!r} is neither a saved "
+                                  "parameter nor a saved buffer")
+    return out
