@@ -30,8 +30,9 @@ import torch
 
 from .buckets import FlatBuckets, bucket_order
 from .comm import Ledger
+from .launch import rank as _rank
 from .launch import world_size as _world_size
-from .memory import PeakMemory, live_bytes, optimizer_tensors
+from .memory import AllocationTracker, PeakMemory, live_bytes, optimizer_tensors
 from .precision import MixedPrecision, clip_grad_norm_
 from .single import build_optimizer
 
@@ -70,11 +71,12 @@ def _signature(model) -> list:
     return rows
 
 
-def check_same_model(model, ledger: Ledger) -> None:
-    """Raise on every rank, naming the first parameter where some rank differs from rank 0.
+def check_same_model(model, ledger: Ledger, src: int = 0) -> None:
+    """Raise on every rank, naming the first parameter where some rank differs from rank `src`.
 
-    All ranks take part in the same three collectives whatever they find, so a mismatch
-    ends the job with an error instead of a hang.
+    The comparison runs over the ledger's group (the dp group under a Mesh, whose first
+    global rank is `src`). All ranks take part in the same three collectives whatever they
+    find, so a mismatch ends the job with an error instead of a hang.
     """
     rows = _signature(model)
     length = torch.tensor([len(rows)], dtype=torch.int64)
@@ -83,7 +85,7 @@ def check_same_model(model, ledger: Ledger) -> None:
     mine = torch.full((n,), -1, dtype=torch.int64)
     mine[:len(rows)] = torch.tensor([h for _, h in rows], dtype=torch.int64)
     ref = mine.clone()
-    ledger.broadcast(ref, src=0, tag="setup")
+    ledger.broadcast(ref, src=src, tag="setup")
     differs = (mine != ref).nonzero()
     first = torch.tensor([int(differs[0]) if len(differs) else n], dtype=torch.int64)
     ledger.all_reduce(first, op="min", tag="setup")
@@ -91,21 +93,89 @@ def check_same_model(model, ledger: Ledger) -> None:
     if i < n:
         here = rows[i][0] if i < len(rows) else "(no parameter)"
         raise ValueError(f"the ranks' models differ: parameter #{i} is {here} on this rank but "
-                         f"not the same on some rank (compared with rank 0). Every rank must "
+                         f"not the same on some rank (compared with rank {src}). Every rank must "
                          f"build the same model.")
 
 
-def broadcast_from_rank0(tensors, ledger: Ledger) -> None:
-    """Copy rank 0's values into `tensors` on every rank, one broadcast per dtype."""
+def broadcast_from_rank0(tensors, ledger: Ledger, src: int = 0) -> None:
+    """Copy rank `src`'s values (the group's first rank) into `tensors`, one broadcast per dtype."""
     by_dtype: dict = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     with torch.no_grad():
         for dtype, ts in by_dtype.items():
             flat = torch.cat([t.reshape(-1) for t in ts])
-            ledger.broadcast(flat, src=0, tag="setup")
+            ledger.broadcast(flat, src=src, tag="setup")
             for t, chunk in zip(ts, flat.split([t.numel() for t in ts])):
                 t.copy_(chunk.view_as(t))
+
+
+# ------------------------------------------------------------------ the mesh and ZeRO-R options
+
+
+def data_parallel_layout(mesh):
+    """(ledger, dp size, dp rank, source rank of the setup broadcasts) for an engine.
+
+    Without a mesh every launched rank is a data-parallel rank. With one, an engine works
+    over mesh.dp_group only: the mp ranks of a tensor-parallel model hold DIFFERENT shards,
+    so they must neither be averaged together nor compared with each other.
+    """
+    if mesh is None:
+        return Ledger(), _world_size(), _rank(), 0
+    return Ledger(group=mesh.dp_group), mesh.dp, mesh.dp_rank, mesh.dp_ranks[0]
+
+
+def check_residual_options(model, mesh, *, precision="fp32", max_grad_norm=None,
+                           checkpoint_activations=False, partition_activations=False,
+                           offload_activations=False) -> None:
+    """Refuse bad mesh / ZeRO-R options before any collective (so no rank can hang)."""
+    from .mesh import Mesh
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a zl.Mesh (or None), got {type(mesh).__name__}")
+    for name, v in (("checkpoint_activations", checkpoint_activations),
+                    ("partition_activations", partition_activations),
+                    ("offload_activations", offload_activations)):
+        if not isinstance(v, bool):
+            raise TypeError(f"{name} must be True or False, got {v!r}")
+    if (partition_activations or offload_activations) and not checkpoint_activations:
+        which = "partition_activations" if partition_activations else "offload_activations"
+        raise ValueError(f"{which}=True acts on activation checkpoints: it needs "
+                         "checkpoint_activations=True as well")
+    if checkpoint_activations and getattr(model, "run_block", None) is not None:
+        raise ValueError("activation checkpointing is already enabled on this model (by "
+                         "zl.checkpointing.enable or an earlier engine); enable it once: pass the "
+                         "options to the engine and not to enable(), or the other way round")
+    if mesh is not None and mesh.mp > 1:
+        # the mp ranks hold different shards: these would need the mp group too
+        if max_grad_norm is not None:
+            raise ValueError("max_grad_norm with a mesh of mp > 1 is not supported: the norm "
+                             "would miss the other mp ranks' shards. Use max_grad_norm=None.")
+        if precision == "fp16":
+            raise ValueError("precision='fp16' with a mesh of mp > 1 is not supported: the mp "
+                             "ranks would not agree on overflow skips. Use 'fp32' or 'bf16'.")
+
+
+def enable_residual(model, mesh, checkpoint_activations, partition_activations, offload_activations):
+    """zl.checkpointing.enable with the engine's options; None when checkpointing is off."""
+    if not checkpoint_activations:
+        return None
+    from . import checkpointing
+    return checkpointing.enable(model, mesh, partition_activations=partition_activations,
+                                offload_activations=offload_activations)
+
+
+def measured_forward(engine, *inputs):
+    """engine.model(*inputs); with track_peak, also the bytes the forward leaves alive.
+
+    Those bytes (saved tensors, checkpoints, offloaded slices, the output) are what backward
+    needs: memory_report()["activations"]. MEASURED with an allocation tracker, never derived.
+    """
+    if not engine.track_peak:
+        return engine.model(*inputs)
+    with AllocationTracker() as tracker:
+        out = engine.model(*inputs)
+    engine.last_activations = tracker.current
+    return out
 
 
 # ------------------------------------------------------------------ the engines
@@ -115,11 +185,19 @@ class NaiveDDP:
     """Data parallelism the obvious way: after backward, all-reduce each gradient, one by one."""
 
     def __init__(self, model: torch.nn.Module, optimizer, *, precision="fp32", max_grad_norm=None,
-                 scaler=None, track_peak: bool = True):
+                 scaler=None, track_peak: bool = True, mesh=None, checkpoint_activations=False,
+                 partition_activations=False, offload_activations=False):
         _check_args(model, 1.0, max_grad_norm)
-        self.comm = Ledger()
+        check_residual_options(model, mesh, precision=precision, max_grad_norm=max_grad_norm,
+                               checkpoint_activations=checkpoint_activations,
+                               partition_activations=partition_activations,
+                               offload_activations=offload_activations)
+        self.mesh = mesh
+        self.comm, self.world_size, self.rank, self._src = data_parallel_layout(mesh)
         self.precision = MixedPrecision(precision, scaler=scaler, ledger=self.comm)
-        self.world_size = _world_size()
+        self.checkpointing = enable_residual(model, mesh, checkpoint_activations,
+                                             partition_activations, offload_activations)
+        self.last_activations = 0
         self.model = model
         self.max_grad_norm = max_grad_norm
         self.track_peak = track_peak
@@ -129,9 +207,9 @@ class NaiveDDP:
         self._sync = True
         self._reduced = False   # gradients of a synced backward are waiting for step()
 
-        check_same_model(model, self.comm)
+        check_same_model(model, self.comm, self._src)
         # ranks start identical: rank 0's parameters and buffers (frozen ones too)
-        broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), self.comm)
+        broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), self.comm, self._src)
 
         self.params = bucket_order(model)
         self._setup_storage()
@@ -172,7 +250,7 @@ class NaiveDDP:
         dtype = self.precision.compute_dtype
         inputs = [x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
                   for x in inputs]
-        return self.model(*inputs)
+        return measured_forward(self, *inputs)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -286,7 +364,8 @@ class NaiveDDP:
         return self.masters if self.masters is not self.params else []
 
     def memory_report(self) -> dict:
-        """MEASURED bytes on this rank: params, grads, optimizer (fp32 masters + moments), total, peak."""
+        """MEASURED bytes on this rank: params, grads, optimizer (fp32 masters + moments), total
+        (those three), peak (of the last step), activations (left alive by the last forward)."""
         params = list(self.model.parameters())
         grads = [p.grad for p in params if p.grad is not None]
         opt = list(self._master_tensors()) + optimizer_tensors(self.optimizer)
@@ -294,6 +373,7 @@ class NaiveDDP:
                "optimizer": live_bytes(opt, exclude=params + grads)}
         out["total"] = out["params"] + out["grads"] + out["optimizer"]
         out["peak"] = self.last_peak
+        out["activations"] = self.last_activations
         return out
 
 
@@ -305,12 +385,17 @@ class DDP(NaiveDDP):
     """
 
     def __init__(self, model: torch.nn.Module, optimizer, *, precision="fp32", bucket_mb=25.0,
-                 max_grad_norm=None, scaler=None, track_peak: bool = True, overlap: bool = True):
+                 max_grad_norm=None, scaler=None, track_peak: bool = True, overlap: bool = True,
+                 mesh=None, checkpoint_activations=False, partition_activations=False,
+                 offload_activations=False):
         _check_args(model, bucket_mb, max_grad_norm)
         self.bucket_mb = float(bucket_mb)
         self.overlap = overlap
         super().__init__(model, optimizer, precision=precision, max_grad_norm=max_grad_norm,
-                         scaler=scaler, track_peak=track_peak)
+                         scaler=scaler, track_peak=track_peak, mesh=mesh,
+                         checkpoint_activations=checkpoint_activations,
+                         partition_activations=partition_activations,
+                         offload_activations=offload_activations)
 
     def _setup_storage(self):
         mixed = self.precision.policy.needs_master

@@ -66,7 +66,6 @@ import torch
 
 from .buckets import FlatBuckets
 from .ddp import NaiveDDP, _check_args
-from .launch import rank as _rank
 from .memory import live_bytes, optimizer_tensors
 from .precision import check_precision, clip_grad_norm_
 
@@ -96,7 +95,8 @@ class ZeRO(NaiveDDP):
         return super().__new__(cls)
 
     def __init__(self, model: torch.nn.Module, optimizer, *, stage, precision="fp32", bucket_mb=25.0,
-                 prefetch=1, max_grad_norm=None, scaler=None, track_peak: bool = True):
+                 prefetch=1, max_grad_norm=None, scaler=None, track_peak: bool = True, mesh=None,
+                 checkpoint_activations=False, partition_activations=False, offload_activations=False):
         _check_stage(stage)
         check_precision(precision)      # before any collective: a bad argument must not hang
         _check_args(model, bucket_mb, max_grad_norm)
@@ -108,7 +108,10 @@ class ZeRO(NaiveDDP):
         # NaiveDDP.__init__: checks every rank has the same model, broadcasts rank 0's
         # weights, calls _setup_storage below, and builds the optimizer on self.masters
         super().__init__(model, optimizer, precision=precision, max_grad_norm=max_grad_norm,
-                         scaler=scaler, track_peak=track_peak)
+                         scaler=scaler, track_peak=track_peak, mesh=mesh,
+                         checkpoint_activations=checkpoint_activations,
+                         partition_activations=partition_activations,
+                         offload_activations=offload_activations)
         self._backward_done = False
 
     # -------------------------------------------------------------- layout
@@ -120,7 +123,7 @@ class ZeRO(NaiveDDP):
         self.buckets = FlatBuckets(self.params, self.bucket_mb * 2**20 / scale, self.world_size)
         buckets = self.buckets.buckets
         self.device = self.params[0].device
-        self.rank = me = _rank()
+        me = self.rank                # this rank's place in the dp group (NaiveDDP.__init__)
         self.shards = [b.shard(me) for b in buckets]
         if mixed:
             # fp32 master SLICES only, taken from the exact fp32 values; the full fp32 copy
@@ -142,6 +145,7 @@ class ZeRO(NaiveDDP):
                                 for s in self.shards]
             self.buffer_numel = max(b.padded_numel for b in buckets)
             self.max_buffers = 0                     # most buffers alive at once (measured)
+            self.max_buffer_bytes = 0                # most bytes in those buffers at once (C_B)
         self._acc32 = [None] * len(buckets)          # fp32 accumulators (stage 2, micro-batches)
         self._filled = [False] * len(buckets)        # owned slice already holds a gradient
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
@@ -170,7 +174,12 @@ class ZeRO(NaiveDDP):
             if self._alive < N_BUFFERS or not self._pending:
                 self._alive += 1
                 self.max_buffers = max(self.max_buffers, self._alive)
-                return torch.zeros(self.buffer_numel, dtype=self.precision.compute_dtype, device=self.device)
+                buf = torch.zeros(self.buffer_numel, dtype=self.precision.compute_dtype, device=self.device)
+                # C_B, measured: the bytes of every pool buffer alive now (this one included)
+                pool = list(self._buffer_of.values()) + self._free + [buf]
+                pool += [b for _, _, b, _ in self._pending if b is not None]
+                self.max_buffer_bytes = max(self.max_buffer_bytes, live_bytes(pool))
+                return buf
             self._complete(self._pending[0])     # wait for the oldest reduce-scatter
         buf = self._free.pop()
         buf.zero_()
@@ -424,6 +433,7 @@ class ZeRO(NaiveDDP):
                "optimizer": live_bytes(opt, exclude=params + grads)}
         out["total"] = out["params"] + out["grads"] + out["optimizer"]
         out["peak"] = self.last_peak
+        out["activations"] = self.last_activations
         return out
 
     def __repr__(self):

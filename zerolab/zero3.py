@@ -40,10 +40,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .buckets import Bucket
-from .comm import Ledger
-from .ddp import _check_args, broadcast_from_rank0, check_same_model
-from .launch import rank as _rank
-from .launch import world_size as _world_size
+from .ddp import (_check_args, broadcast_from_rank0, check_residual_options, check_same_model,
+                  data_parallel_layout, enable_residual, measured_forward)
 from .memory import PeakMemory, live_bytes, optimizer_tensors
 from .precision import MixedPrecision, clip_grad_norm_
 from .single import build_optimizer
@@ -187,7 +185,8 @@ class ZeRO3:
     """ZeRO stage 3: parameters, gradients and optimizer state sharded over the ranks."""
 
     def __init__(self, model: nn.Module, optimizer, *, precision="fp32", bucket_mb=25.0, prefetch=1,
-                 max_grad_norm=None, scaler=None, units=None, track_peak=True, init_fn=None):
+                 max_grad_norm=None, scaler=None, units=None, track_peak=True, init_fn=None, mesh=None,
+                 checkpoint_activations=False, partition_activations=False, offload_activations=False):
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (units to gather ahead; 0 = off), got {prefetch!r}")
         meta = any(p.device.type == "meta" for p in model.parameters())
@@ -195,9 +194,17 @@ class ZeRO3:
             raise ValueError("the model is on the meta device: pass init_fn(name, module) to "
                              "initialise its parameters unit by unit")
         _check_args(model, bucket_mb, max_grad_norm)
-        self.comm = Ledger()
+        check_residual_options(model, mesh, precision=precision, max_grad_norm=max_grad_norm,
+                               checkpoint_activations=checkpoint_activations,
+                               partition_activations=partition_activations,
+                               offload_activations=offload_activations)
+        # under a mesh, shard over the dp group only (engine.world_size = mesh.dp)
+        self.mesh = mesh
+        self.comm, self.world_size, self.rank, self._src = data_parallel_layout(mesh)
         self.precision = MixedPrecision(precision, scaler=scaler, ledger=self.comm)
-        self.world_size, self.rank = _world_size(), _rank()
+        self.checkpointing = enable_residual(model, mesh, checkpoint_activations,
+                                             partition_activations, offload_activations)
+        self.last_activations = 0
         self.model, self.prefetch, self.bucket_mb = model, prefetch, float(bucket_mb)
         self.max_grad_norm, self.track_peak = max_grad_norm, track_peak
         self.steps, self.last_peak, self.last_grad_norm = 0, 0, None
@@ -206,7 +213,7 @@ class ZeRO3:
         self._cur_order: list = []
         self._fwd_counts = None
         self._callback_started = False
-        check_same_model(model, self.comm)
+        check_same_model(model, self.comm, self._src)
 
         found, note = find_units(model, units)
         if note:
@@ -251,7 +258,7 @@ class ZeRO3:
         if any(b.device.type == "meta" for b in bufs):
             raise ValueError("meta-device buffers are not supported: build buffers on the CPU")
         if bufs:
-            broadcast_from_rank0(bufs, self.comm)
+            broadcast_from_rank0(bufs, self.comm, self._src)
 
     def _materialize(self, u, refs, init_fn, dtype):
         """Give unit u its flat buffers and shards, holding at most this ONE unit in full."""
@@ -286,7 +293,7 @@ class ZeRO3:
                 b.data = b.data.to(dtype)
                 for view, p in zip(b.views(b.data), b.params):
                     p.data = view
-            self.comm.broadcast(b.data, src=0, tag="setup")   # ranks start identical (in place)
+            self.comm.broadcast(b.data, src=self._src, tag="setup")   # ranks start identical (in place)
             u.buckets[kind] = b
             u.full[kind] = b.data
             u.shard[kind] = b.data[b.shard(self.rank)].clone()
@@ -527,7 +534,7 @@ class ZeRO3:
         dtype = self.precision.compute_dtype
         inputs = [x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
                   for x in inputs]
-        return self.model(*inputs)
+        return measured_forward(self, *inputs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward() (scaled in fp16); gradients are reduce-scattered unit by unit."""
@@ -651,6 +658,7 @@ class ZeRO3:
                "optimizer": live_bytes(opt, exclude=params + grads)}
         out["total"] = out["params"] + out["grads"] + out["optimizer"]
         out["peak"] = self.last_peak
+        out["activations"] = self.last_activations
         return out
 
     # -------------------------------------------------------------- facts for the chapter
