@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 import zlib
 
 import torch
@@ -174,6 +175,17 @@ def measured_forward(engine, *inputs):
         return engine.model(*inputs)
     with AllocationTracker() as tracker:
         out = engine.model(*inputs)
+    mesh = getattr(engine, "mesh", None)
+    if mesh is not None and mesh.mp > 1:
+        # tensor parallelism all-reduces inside forward, and gloo's worker thread may hold
+        # the last tensor for a moment after the call returned: let the count settle
+        last, steady = tracker.current, 0
+        for _ in range(50):
+            time.sleep(0.002)
+            steady = steady + 1 if tracker.current == last else 0
+            last = tracker.current
+            if steady >= 3:
+                break
     engine.last_activations = tracker.current
     return out
 

@@ -1,0 +1,224 @@
+"""Workers and measurements for chapter 9 (ZeRO-R). Every number the chapter prints comes from here.
+
+The launched functions (mesh_runs, buffer_curve, step_times) run on every rank and return
+plain values; the parent prints them in rank order.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+import zerolab as zl
+from . import allocator, checkpointing, memory
+from .data import CharDataset
+from .mesh import Mesh
+from .models import GPT, gpt_config, gpt_loss
+from .tensor_parallel import TensorParallelGPT
+
+B = 4
+MODES = {"none": {}, "ckpt": dict(checkpoint_activations=True),
+         "pa": dict(checkpoint_activations=True, partition_activations=True),
+         "pa_cpu": dict(checkpoint_activations=True, partition_activations=True, offload_activations=True)}
+# The paper's Table 3: every configuration uses C_B and M_D (and activation checkpointing)
+CONFIGS = {"C1": (1, "ckpt"), "C2": (1, "pa"), "C3": (2, "ckpt"), "C4": (2, "pa"), "C5": (2, "pa_cpu")}
+
+
+def _cfg(n_layer=4):
+    return gpt_config("nano", n_head=4, n_layer=n_layer)
+
+
+# ------------------------------------------------------------------ 1. residual states, one process
+
+
+def residual_states(n_layer: int = 4, batch: int = 8) -> dict:
+    """Bytes of one plain training step of the GPT (AdamW, fp32), all MEASURED.
+
+    model states (live storages), activations (what forward leaves for backward), temporary
+    buffers (the step's peak above those two), fragmentation (the allocator model's reserved
+    bytes above the peak, replaying the step's real allocation trace).
+    """
+    torch.manual_seed(0)
+    cfg = _cfg(n_layer)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = CharDataset(cfg.block_size)
+    for s in range(2):                     # step 0 creates Adam's state; step 1 is measured
+        model.zero_grad(set_to_none=True)
+        with memory.AllocationTracker(record_trace=True) as tr:
+            _, loss = gpt_loss(model, data.batch(s, batch))
+            act = tr.current               # what forward left alive for backward
+            loss.backward()
+            opt.step()
+            end = len(tr.trace)
+        trace = tr.trace[:end]
+    states = memory.model_state_bytes_measured(model, opt)   # params, grads, optimizer: all live
+    replayed = allocator.replay(trace)
+    # the step's peak above what existed before it = activations + gradients + temporaries
+    temporary = max(0, tr.peak - act - states["grads"])
+    return {"model states": states["total"], "activations": act, "temporary buffers": temporary,
+            "fragmentation": replayed.reserved - replayed.peak_live}
+
+
+# ------------------------------------------------------------------ 2. M_D on a real trace
+
+
+def step_trace(n_layer: int = 4, batch: int = 8):
+    """The allocation trace of one checkpointed training step, and which blocks M_D would move.
+
+    M_D (the paper, section 6.3) copies activation checkpoints and parameter gradients into
+    pre-allocated contiguous buffers as they are produced. In the trace those are the blocks
+    made in forward that outlive it (checkpoints) and the blocks made in backward still alive
+    when the step ends (gradients).
+    """
+    torch.manual_seed(0)
+    cfg = _cfg(n_layer)
+    model = GPT(cfg)
+    checkpointing.enable(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = CharDataset(cfg.block_size)
+    for s in range(2):
+        with memory.AllocationTracker(record_trace=True) as tr:
+            _, loss = gpt_loss(model, data.batch(s, batch))
+            end_forward = len(tr.trace)
+            loss.backward()
+            opt.step()
+            end = len(tr.trace)
+        trace = tr.trace[:end]          # frees after the step (zero_grad) are not part of it
+        opt.zero_grad(set_to_none=True)
+    life = allocator.lifetimes(trace)
+    checkpoints = {b for b, (a, f, _) in life.items() if a < end_forward and (f is None or f > end_forward)}
+    grads = {b for b, (a, f, _) in life.items() if a >= end_forward and f is None}
+    return trace, checkpoints, grads
+
+
+def defrag_table(n_layer: int = 4, batch: int = 8, capacities=(1.0, 1.05, 1.10, 1.20)) -> dict:
+    """The allocator model without and with M_D, on the same real trace."""
+    trace, checkpoints, grads = step_trace(n_layer, batch)
+    out = {"events": len(trace), "checkpoints": len(checkpoints), "grads": len(grads)}
+    for name, moved in (("without M_D", None), ("with M_D", checkpoints | grads)):
+        r = allocator.replay(trace, defragment=moved)
+        runs = {c: allocator.replay(trace, defragment=moved, capacity=int(c * r.peak_live)).failed_at is None
+                for c in capacities}
+        out[name] = {"peak_live": r.peak_live, "reserved": r.reserved, "stranded": r.stranded,
+                     "fragmentation": r.fragmentation, "runs_at": runs}
+    return out
+
+
+# ------------------------------------------------------------------ 3. the mesh runs (world 4)
+
+
+def _run(mesh, stage, mode, steps=2, n_layer=4):
+    torch.manual_seed(0)
+    model = TensorParallelGPT.from_dense(GPT(_cfg(n_layer)), mesh)
+    eng = zl.ZeRO(model, partial(torch.optim.AdamW, lr=1e-3), stage=stage, mesh=mesh, bucket_mb=0.05,
+                  **MODES[mode])
+    data = CharDataset(model.cfg.block_size)
+    for s in range(steps):
+        mesh.ledger.reset()
+        if eng.checkpointing is not None:
+            eng.checkpointing.reset_counters()
+        _, loss = gpt_loss(eng, data.batch(s, B, mesh.dp_rank, mesh.dp))
+        pool = eng.checkpointing.kept_bytes() if mode == "pa_cpu" else 0   # slices in the CPU pool now
+        eng.backward(loss)
+        eng.step()
+        if s == steps - 1:
+            report = eng.memory_report()
+        eng.zero_grad()
+    by_tag = {}
+    for r in mesh.ledger.records:
+        by_tag[r.tag] = by_tag.get(r.tag, 0) + r.bytes_sent
+    report["offloaded"] = pool
+    report["device_activations"] = report["activations"] - pool
+    return {"memory": report, "bytes": by_tag, "loss": round(loss.item(), 4)}
+
+
+def block_input(mesh):
+    """The input of block 1 on this rank, and the slice P_a keeps of it (real tensors)."""
+    torch.manual_seed(0)
+    model = TensorParallelGPT.from_dense(GPT(_cfg(2)), mesh)
+    policy = checkpointing.enable(model, mesh, partition_activations=True)
+    seen = {}
+    model.blocks[1].register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0].detach().clone()))
+    _, loss = gpt_loss(model, CharDataset(model.cfg.block_size).batch(0, 1))
+    kept = policy.kept[1].clone()
+    loss.backward()
+    return {"x": seen["x"][0], "kept": kept}
+
+
+def mesh_runs() -> dict:
+    """Every world-4 measurement of the chapter, in one launch."""
+    out = {}
+    mesh22 = Mesh(dp=2, mp=2)
+    mesh14 = Mesh(dp=1, mp=4)
+    out["input"] = block_input(mesh22)
+    for mode in MODES:
+        out[("mp2", mode)] = _run(mesh22, 2, mode)
+    for mode in ("ckpt", "pa", "pa_cpu"):
+        out[("mp4", mode)] = _run(mesh14, 2, mode)
+    for name, (stage, mode) in CONFIGS.items():
+        out[name] = out[("mp2", mode)] if stage == 2 else _run(mesh22, stage, mode)
+    out["layout"] = (mesh22.dp_rank, mesh22.mp_rank, mesh22.mp_ranks, mesh22.dp_ranks)
+    return out
+
+
+# ------------------------------------------------------------------ 4. C_B (world 2)
+
+
+def buffer_curve(n_layers=(1, 2, 4, 8), bucket_mb: float = 0.05) -> list:
+    """Stage 2's largest communication-buffer pool in one backward, bucketed vs fused."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    rows = []
+    for layers in n_layers:
+        cfg = gpt_config("nano", n_layer=layers)
+        data = CharDataset(cfg.block_size)
+        row = {}
+        for name, mb in (("bucketed", bucket_mb), ("fused", 1e6)):   # 1e6 MB: everything in one bucket
+            torch.manual_seed(0)
+            model = GPT(cfg)
+            eng = zl.ZeRO(model, partial(torch.optim.AdamW, lr=1e-3), stage=2, bucket_mb=mb, track_peak=False)
+            eng.backward(gpt_loss(eng, data.batch(0, 2, rank, n))[1])
+            row[name] = eng.max_buffer_bytes
+        row["psi"] = sum(p.numel() for p in model.parameters())
+        rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------ 5. step time (benchmark rows)
+
+
+def step_times(steps: int = 6, n_layer: int = 4) -> dict:
+    """Seconds per step of plain stage 2, checkpointing, P_a and P_a+cpu, in the same processes.
+
+    The four engines take turns step by step, so a slow moment of the shared machine hits
+    all of them alike; the figure is the median over steps.
+    """
+    mesh = Mesh(dp=2, mp=2)
+    engines = {}
+    for mode in MODES:
+        torch.manual_seed(0)
+        model = TensorParallelGPT.from_dense(GPT(_cfg(n_layer)), mesh)
+        engines[mode] = zl.ZeRO(model, partial(torch.optim.AdamW, lr=1e-3), stage=2, mesh=mesh,
+                                track_peak=False, **MODES[mode])
+    data = CharDataset(_cfg().block_size)
+    times = {mode: [] for mode in MODES}
+    fwd = []
+    for s in range(steps + 1):
+        batch = data.batch(s, B, mesh.dp_rank, mesh.dp)
+        for mode, eng in engines.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            _, loss = gpt_loss(eng, batch)
+            t1 = time.perf_counter()
+            eng.backward(loss)
+            eng.step()
+            eng.zero_grad()
+            if s:                     # step 0 warms up
+                times[mode].append(time.perf_counter() - t0)
+                if mode == "none":
+                    fwd.append(t1 - t0)
+    med = lambda xs: sorted(xs)[len(xs) // 2]
+    return {"step": {m: med(t) for m, t in times.items()}, "forward": med(fwd)}
