@@ -2,6 +2,7 @@
 
     python -m zerolab train --world-size 2 --steps 100 [--strategy ddp] [--precision bf16]
     python -m zerolab bench [--quick]
+    python -m zerolab consolidate CHECKPOINT_DIR OUT.pt   # one fp32 state dict, no processes
     torchrun --nproc-per-node 2 -m zerolab train ...
 """
 
@@ -23,6 +24,11 @@ def main(argv=None) -> int:
     p_train = sub.add_parser("train", help="train the book's GPT and report what was measured")
     train.add_arguments(p_train)
 
+    p_cons = sub.add_parser("consolidate", help="turn a sharded checkpoint into one fp32 state dict")
+    p_cons.add_argument("path", help="checkpoint directory (holds metadata.json)")
+    p_cons.add_argument("out", help="where to write the state dict (torch.save; load it with "
+                        "torch.load(out, weights_only=True))")
+
     if importlib.util.find_spec("zerolab.bench"):
         sub.add_parser("bench", help="benchmark the engines side by side", add_help=False)
 
@@ -33,8 +39,33 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "train":
         return train.main(args)
+    if args.command == "consolidate":
+        return consolidate_main(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
+
+
+def consolidate_main(args) -> int:
+    import os
+
+    import torch
+
+    from .checkpoint import CheckpointError, consolidate
+    if os.path.isdir(args.out):
+        print(f"zerolab consolidate: error: OUT {args.out!r} is a directory; give a file name "
+              "such as model.pt", file=sys.stderr)
+        return 2
+    try:
+        state = consolidate(args.path)
+    except CheckpointError as exc:
+        print(f"zerolab consolidate: error: {exc}", file=sys.stderr)
+        return 1
+    tmp = f"{args.out}.tmp-{os.getpid()}"
+    torch.save(state, tmp)
+    os.replace(tmp, args.out)
+    n = sum(t.numel() for k, t in state.items() if t.is_floating_point())
+    print(f"zerolab consolidate: {len(state)} tensors ({n:,} values, fp32) written to {args.out}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -10,6 +10,13 @@ Strategies:
              (no communication; what every other engine must reproduce)
     ddp      zl.DDP, each rank on its share of the batch
     zero1..3 zl.ZeRO(stage=1..3), when the installed zerolab has it
+
+Nothing lost (zerolab.checkpoint): `--save-every N --save-dir D` writes a sharded checkpoint
+every N steps (atomically: a crash mid-save leaves the previous one loadable), `--resume D`
+continues from it bit for bit (same strategy and world size) or resharded (another one).
+A NaN or inf loss stops the run naming the step; `--find-nan` also names the first module
+that produced it (zl.debug.first_nonfinite). `--fault KIND@STEP[:RANK[:MODULE]]` injects a
+fault (raise, exit, kill, hang, nan) so you can watch the job end cleanly.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import argparse
 import functools
 import importlib.util
 import os
+import signal
 import sys
 import threading
 import time
@@ -55,6 +63,13 @@ class TrainConfig:
     lr: float = 3e-3
     seed: int = 0
     bucket_mb: float = 25.0
+    save_every: int = 0          # 0: never save
+    save_dir: str | None = None
+    resume: str | None = None    # a checkpoint directory to continue from
+    find_nan: bool = False       # name the first module that produced a NaN/inf
+    fault: str | None = None     # KIND@STEP[:RANK[:MODULE]], see parse_fault
+    timeout: float = 300.0       # seconds before launch gives up on the job
+    collective_timeout: float | None = None   # seconds one collective may take (names the late ranks)
 
     def check(self) -> "TrainConfig":
         models.gpt_config(self.size)  # raises on an unknown size
@@ -67,7 +82,47 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if isinstance(self.save_every, bool) or not isinstance(self.save_every, int) or self.save_every < 0:
+            raise ValueError(f"save_every must be an int >= 0 (0 = never), got {self.save_every!r}")
+        if self.save_every and not self.save_dir:
+            raise ValueError("save_every needs save_dir: the directory to write checkpoints into")
+        if self.resume is not None:
+            meta = os.path.join(os.fspath(self.resume), "metadata.json")
+            if not os.path.exists(meta):
+                raise ValueError(f"resume: {meta} does not exist; pass a directory written by "
+                                 "--save-dir (a save that never finished leaves none)")
+        if self.collective_timeout is not None and not (
+                isinstance(self.collective_timeout, (int, float)) and self.collective_timeout > 0):
+            raise ValueError(f"collective_timeout must be None or seconds > 0, got {self.collective_timeout!r}")
+        if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
+            raise ValueError(f"timeout must be a number of seconds > 0, got {self.timeout!r}")
+        if self.fault is not None:
+            parse_fault(self.fault, self.world_size)
         return self
+
+
+FAULTS = ("raise", "exit", "kill", "hang", "nan")
+
+
+def parse_fault(spec: str, world_size: int) -> tuple:
+    """'kill@3:1' -> ("kill", 3, 1, None): at step 3, rank 1 kills itself. RANK defaults to 0.
+
+    raise: an exception; exit: os._exit(3); kill: SIGKILL to itself; hang: sleeps an hour
+    (the launch timeout must end the job); nan@STEP:RANK:MODULE: that module's output becomes
+    NaN from that step on (MODULE defaults to the first transformer block's MLP).
+    """
+    try:
+        kind, rest = spec.split("@", 1)
+        parts = rest.split(":")
+        step, who = int(parts[0]), int(parts[1]) if len(parts) > 1 and parts[1] else 0
+        module = parts[2] if len(parts) > 2 else None
+    except (ValueError, AttributeError):
+        raise ValueError(f"fault must look like KIND@STEP[:RANK[:MODULE]] (e.g. kill@3:1), got {spec!r}") from None
+    if kind not in FAULTS:
+        raise ValueError(f"fault: unknown kind {kind!r}; choose one of {list(FAULTS)}")
+    if step < 0 or not 0 <= who < world_size:
+        raise ValueError(f"fault: step must be >= 0 and rank in [0, {world_size}), got {spec!r}")
+    return kind, step, who, module
 
 
 def make_engine(cfg: TrainConfig, model: torch.nn.Module):
@@ -90,21 +145,33 @@ def train_worker(cfg: TrainConfig, progress=None) -> dict:
     model_cfg = models.gpt_config(cfg.size)
     model = models.GPT(model_cfg).to(_device())
     engine = make_engine(cfg, model)
+    if cfg.collective_timeout is not None:   # the ledger's watchdog: name the rank that is late
+        engine.comm.timeout = cfg.collective_timeout
     dataset = data.CharDataset(model_cfg.block_size, seed=cfg.seed)
     r, n = rank(), world_size()
-    losses, skipped = [], 0
+    first = 0
+    if cfg.resume:
+        from . import checkpoint
+        first = int(checkpoint.load(engine, cfg.resume).get("data_step", engine.steps))
+    fault = parse_fault(cfg.fault, n) if cfg.fault else None
+    losses, skipped, report = [], 0, None
     show_bar = progress is None and r == 0 and sys.stderr.isatty()
-    bar = _bar(cfg.steps) if show_bar else None
+    bar = _bar(cfg.steps - first) if show_bar else None
     start = time.perf_counter()
-    for step in range(cfg.steps):
+    for step in range(first, cfg.steps):
         if cfg.strategy == "single":  # the reference sees the whole global batch
             batch = dataset.batch(step, cfg.batch_size * n)
         else:
             batch = dataset.batch(step, cfg.batch_size, r, n)
         batch = tuple(t.to(_device()) for t in batch)
+        if fault is not None and fault[1] == step and fault[2] == r and fault[0] == "nan":
+            _inject(fault, engine.model)
         last = step == cfg.steps - 1
         with memory.PeakMemory(_device()) if last else _nothing() as peak:  # measure the last step
             _, loss = models.gpt_loss(engine, batch)
+            if fault is not None and fault[1] == step and fault[2] == r and fault[0] != "nan":
+                _inject(fault, engine.model)   # mid-step: the other ranks are entering backward
+            _check_finite(cfg, engine, loss, batch, step)
             engine.backward(loss)
             skipped += not engine.step()
         if last:
@@ -112,18 +179,77 @@ def train_worker(cfg: TrainConfig, progress=None) -> dict:
             report["peak"] = peak.peak
         engine.zero_grad()
         losses.append(loss.item())
+        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+            from . import checkpoint
+            checkpoint.save(engine, cfg.save_dir, extra={"data_step": step + 1})
         if progress is not None and r == 0:
-            progress.put((step + 1, losses[-1]))
+            progress.put((step + 1 - first, losses[-1]))
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
     elapsed = time.perf_counter() - start
     if bar is not None:
         bar.close()
-    tokens = cfg.steps * cfg.batch_size * n * model_cfg.block_size
-    return {"rank": r, "losses": losses, "skipped": skipped, "seconds": elapsed,
-            "tokens_per_s": tokens / elapsed, "memory": report,
+    done = cfg.steps - first
+    tokens = done * cfg.batch_size * n * model_cfg.block_size
+    if report is None:   # resumed at the end: nothing left to run
+        report = dict(engine.memory_report(), peak=0)
+    return {"rank": r, "losses": losses, "skipped": skipped, "seconds": elapsed, "first_step": first,
+            "tokens_per_s": tokens / elapsed if done else 0.0, "memory": report,
             "bytes_sent": engine.comm.bytes(), "params": models.num_params(model)}
+
+
+def _inject(fault, model):
+    """Make the fault `fault` happen now, on this rank (see parse_fault)."""
+    kind, step, _, module = fault
+    if kind == "raise":
+        raise RuntimeError(f"injected fault: rank {rank()} raises at step {step}")
+    if kind == "exit":
+        os._exit(3)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "hang":
+        time.sleep(3600)
+    if kind == "nan":
+        target = dict(model.named_modules()).get(module or "blocks.0.mlp")
+        if target is None:
+            raise ValueError(f"fault: the model has no module {module!r}")
+        target.register_forward_hook(lambda m, args, out: out * float("nan"))
+
+
+def _check_finite(cfg, engine, loss, batch, step):
+    """Stop on a NaN/inf loss naming the step (and, with find_nan, the first bad module).
+
+    With find_nan every rank learns WHICH ranks have a bad loss (one small all-reduce), so
+    they all run the diagnosis forward together (ZeRO-3 gathers parameters inside forward);
+    the first bad rank reports, the others stop a moment later pointing at it.
+    """
+    if cfg.precision == "fp16":   # the loss scaler skips overflowing steps by design
+        return
+    bad = not bool(torch.isfinite(loss.detach()).all())
+    if not cfg.find_nan or cfg.strategy == "single":
+        if bad:
+            hint = "; rerun with --find-nan to name the first module that produced it" if not cfg.find_nan else ""
+            where = ""
+            if cfg.find_nan:
+                from .debug import first_nonfinite
+                where = f": {first_nonfinite(engine.model, batch[0])}"
+            raise FloatingPointError(f"rank {rank()}: the loss is {loss.item()} at step {step}{where}{hint}")
+        return
+    flags = torch.zeros(world_size(), device=loss.device)
+    flags[rank()] = float(bad)
+    engine.comm.all_reduce(flags, tag="nan-check")
+    bad_ranks = [i for i, f in enumerate(flags.tolist()) if f]
+    if not bad_ranks:
+        return
+    from .debug import first_nonfinite
+    found = first_nonfinite(engine.model, batch[0])  # every rank: ZeRO-3's forward is collective
+    if rank() == bad_ranks[0]:
+        raise FloatingPointError(f"rank {rank()}: the loss is {loss.item()} at step {step}: "
+                                 f"{found if found is not None else 'no module output was non-finite'}")
+    time.sleep(2.0)   # let the first bad rank's report reach the launcher first
+    raise FloatingPointError(f"rank {rank()}: stopping at step {step}: the loss of rank(s) "
+                             f"{bad_ranks} is not finite (see rank {bad_ranks[0]}'s report)")
 
 
 class _nothing:
@@ -163,31 +289,44 @@ def run(cfg: TrainConfig, show_progress: bool = True) -> list:
     """Train with `cfg` on cfg.world_size ranks; returns each rank's result dict."""
     cfg.check()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: we are one of the ranks
-        return launch(train_worker, cfg.world_size, args=(cfg, None))
+        return launch(train_worker, cfg.world_size, args=(cfg, None), timeout=cfg.timeout)
     if not show_progress:
-        return launch(train_worker, cfg.world_size, args=(cfg, None))
+        return launch(train_worker, cfg.world_size, args=(cfg, None), timeout=cfg.timeout)
     from .launch import _context
     queue = _context().Queue()
     stop = threading.Event()
-    follower = threading.Thread(target=_follow_progress, args=(queue, cfg.steps, stop), daemon=True)
+    total = cfg.steps - _resume_step(cfg)
+    follower = threading.Thread(target=_follow_progress, args=(queue, total, stop), daemon=True)
     follower.start()
     try:
-        return launch(train_worker, cfg.world_size, args=(cfg, queue))
+        return launch(train_worker, cfg.world_size, args=(cfg, queue), timeout=cfg.timeout)
     finally:
         stop.set()
         follower.join(2.0)
 
 
+def _resume_step(cfg) -> int:
+    if not cfg.resume:
+        return 0
+    import json
+    with open(os.path.join(os.fspath(cfg.resume), "metadata.json")) as f:
+        return int(json.load(f).get("steps", 0))
+
+
 def format_report(cfg: TrainConfig, results: list) -> str:
     """The final report: one block for the run, one line per rank."""
     r0 = results[0]
+    resumed = f" (resumed at step {r0['first_step']})" if r0.get("first_step") else ""
+    if not r0["losses"]:
+        return (f"zerolab train: GPT-{cfg.size}, strategy={cfg.strategy}: the checkpoint is already at "
+                f"step {r0.get('first_step')} of {cfg.steps}; nothing to run")
     lines = [
         f"zerolab train: GPT-{cfg.size} ({r0['params']:,} parameters), strategy={cfg.strategy}, "
-        f"precision={cfg.precision}, world size {cfg.world_size}, {cfg.steps} steps",
+        f"precision={cfg.precision}, world size {cfg.world_size}, {cfg.steps} steps{resumed}",
         f"  loss: first {r0['losses'][0]:.4f}, last {r0['losses'][-1]:.4f}"
         + (f", {r0['skipped']} step(s) skipped on overflow" if r0['skipped'] else ""),
         f"  speed: {sum(r['tokens_per_s'] for r in results) / len(results):,.0f} tokens/s "
-        f"(whole job), {r0['seconds'] / cfg.steps * 1e3:.1f} ms per step",
+        f"(whole job), {r0['seconds'] / len(r0['losses']) * 1e3:.1f} ms per step",
         "  measured per rank (peak: allocated during the last step, above what it started with):",
         "  rank   params        grads         optimizer     total         peak/step     bytes sent",
     ]
@@ -231,19 +370,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--plot", default="zerolab-loss.png", help="where to write the loss curve PNG")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--save-every", type=int, default=0, metavar="N",
+                        help="write a sharded checkpoint every N steps (0: never)")
+    parser.add_argument("--save-dir", default=None, help="checkpoint directory for --save-every "
+                        "(default: zerolab-ckpt when --save-every is given)")
+    parser.add_argument("--resume", default=None, metavar="PATH", help="continue from this checkpoint")
+    parser.add_argument("--find-nan", action="store_true",
+                        help="on a NaN/inf loss, name the first module that produced it")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before the job is ended")
+    parser.add_argument("--collective-timeout", type=float, default=None,
+                        help="seconds one collective may wait before naming the ranks that did not arrive")
+    parser.add_argument("--fault", default=None, help=argparse.SUPPRESS)  # KIND@STEP[:RANK[:MODULE]]
 
 
 def main(args: argparse.Namespace) -> int:
     cfg = TrainConfig(size=args.size, strategy=args.strategy, precision=args.precision,
                       world_size=int(os.environ.get("WORLD_SIZE", args.world_size)),
                       steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                      bucket_mb=args.bucket_mb)
+                      bucket_mb=args.bucket_mb, save_every=args.save_every,
+                      save_dir=args.save_dir or ("zerolab-ckpt" if args.save_every else None),
+                      resume=args.resume, find_nan=args.find_nan, fault=args.fault, timeout=args.timeout,
+                      collective_timeout=args.collective_timeout)
     try:
         cfg.check()
     except ValueError as exc:
         print(f"zerolab train: error: {exc}", file=sys.stderr)
         return 2
-    results = run(cfg, show_progress=not args.no_progress)
+    from .launch import LaunchError
+    try:
+        results = run(cfg, show_progress=not args.no_progress)
+    except LaunchError as exc:
+        print(f"zerolab train: error: {exc}", file=sys.stderr)
+        if cfg.save_dir and os.path.exists(os.path.join(cfg.save_dir, "metadata.json")):
+            print(f"zerolab train: the last checkpoint is in {cfg.save_dir}; continue with "
+                  f"--resume {cfg.save_dir}", file=sys.stderr)
+        return 1
     if rank() == 0:
         print(format_report(cfg, results))
         if args.plot:
