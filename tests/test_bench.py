@@ -1,0 +1,51 @@
+"""The benchmark's table: every engine present, the same training, bytes that match the ring model.
+
+No timing assertions: timings on a shared machine are not a property of the code.
+"""
+
+import pytest
+
+from zerolab import bench
+
+
+@pytest.fixture(scope="module")
+def summary():
+    return bench.run("nano", world_size=2, batch=2, bucket_mb=1.0, reps=1, warmup=1, steps=2,
+                     deepspeed=False, log=None)
+
+
+def test_every_engine_is_in_the_table(summary):
+    names = [r["engine"] for r in summary["rows"]]
+    assert names == ["single process", "zl.DDP", "PyTorch DDP", "zl.ZeRO-1", "ZeroRedundancyOptimizer",
+                     "zl.ZeRO-2", "FSDP2 reshard=False", "zl.ZeRO-3", "FSDP2 reshard=True"]
+    table = bench.format_table(summary)
+    assert all(n in table for n in names)
+    for r in summary["rows"]:   # every zerolab engine is compared with a peer of its kind
+        if r["family"] == "zerolab":
+            assert r["best_peer"] is not None and r["vs_peer"] > 0
+
+
+def test_all_distributed_engines_train_alike(summary):
+    # PyTorch's engines are the independent reference: zerolab's must land on the same loss
+    assert summary["loss_spread"] < 1e-4
+    floor = summary["rows"][0]
+    assert floor["bytes"] == 0 or floor["bytes"] is None   # one process sends nothing
+
+
+def test_bytes_on_the_wire_match_the_ring_model(summary):
+    rows = {r["engine"]: r for r in summary["rows"]}
+    psi_bytes = 4 * summary["params"]
+    # DDP all-reduces every gradient once: 2 (N-1)/N * 4 psi bytes = 4 psi at N = 2,
+    # counted by the operating system (bytes written to gloo's sockets), not by zerolab
+    for name in ("zl.DDP", "PyTorch DDP"):
+        if rows[name]["bytes"] is not None:
+            assert rows[name]["bytes"] == pytest.approx(psi_bytes, rel=0.02)
+    assert rows["zl.DDP"]["ledger"] == pytest.approx(psi_bytes, rel=0.01)
+    assert rows["zl.ZeRO-3"]["ledger"] == pytest.approx(1.5 * psi_bytes, rel=0.02)
+
+
+def test_bad_arguments_are_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match="world_size"):
+        bench.run("nano", world_size=0)
+    with pytest.raises(ValueError, match="floor"):
+        bench.run("nano", kinds=("DDP",))
