@@ -51,14 +51,16 @@ def residual_states(n_layer: int = 4, batch: int = 8) -> dict:
         with memory.AllocationTracker(record_trace=True) as tr:
             _, loss = gpt_loss(model, data.batch(s, batch))
             act = tr.current               # what forward left alive for backward
-            loss.backward()
-            opt.step()
+            with memory.AllocationTracker() as bwd:
+                loss.backward()
+            with memory.AllocationTracker() as upd:
+                opt.step()
             end = len(tr.trace)
         trace = tr.trace[:end]
     states = memory.model_state_bytes_measured(model, opt)   # params, grads, optimizer: all live
     replayed = allocator.replay(trace)
-    # the step's peak above what existed before it = activations + gradients + temporaries
-    temporary = max(0, tr.peak - act - states["grads"])
+    # temporaries: what backward allocated beyond the gradients it leaves, and the optimizer's scratch
+    temporary = max(bwd.peak - bwd.current, upd.peak - upd.current)
     return {"model states": states["total"], "activations": act, "temporary buffers": temporary,
             "fragmentation": replayed.reserved - replayed.peak_live}
 
