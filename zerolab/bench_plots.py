@@ -42,3 +42,70 @@ def plot_bench(s, out_dir) -> list[str]:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return [path]
+
+
+STAGE_COLORS = {0: "#8c8c8c", 1: "#4C72B0", 2: "#DD8452", 3: "#55A868"}
+STAGE_NAMES = {0: "DP (stage 0)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+
+
+def calculator_figure(psi, device_gb, n_ds=(1, 4, 16, 64, 256, 1024), activations_gb=0.0, n_m=1):
+    """Per-device GB against N_d for each stage, the device's capacity as a line."""
+    from .calculator import plan
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for stage in (0, 1, 2, 3):
+        ys = [plan(psi, device_gb, n, n_m, activations_gb=activations_gb)[stage]["total_gb"] for n in n_ds]
+        ax.plot(n_ds, ys, marker="o", color=STAGE_COLORS[stage], label=STAGE_NAMES[stage])
+    ax.axhline(device_gb, color="black", ls="--", lw=1, label=f"device: {device_gb:g} GB")
+    if activations_gb:
+        ax.axhline(activations_gb, color="#C44E52", ls=":", lw=1.2, label=f"activations alone: {activations_gb:.3g} GB")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("$N_d$ (data-parallel ranks)")
+    ax.set_ylabel("GB per device")
+    ax.set_title(f"{psi / 1e9:g}B parameters, $N_m$ = {n_m}", fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def scaling_figure(results, psi, formula):
+    """Two panels: measured model-state bytes per rank (dots) vs the formula (lines), and step time."""
+    ns = sorted(results)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for s in (0, 1, 2, 3):
+        c = STAGE_COLORS[s]
+        a.plot(ns, [formula(psi, n, s) / 2**20 for n in ns], color=c, lw=1.2, label=f"{STAGE_NAMES[s]} formula")
+        a.plot(ns, [results[n][s]["states"] / 2**20 for n in ns], "o", color=c, ms=7, label=f"{STAGE_NAMES[s]} measured")
+        b.plot(ns, [results[n][s]["seconds"] * 1e3 for n in ns], marker="o", color=c, label=STAGE_NAMES[s])
+    a.set_ylabel("model states per rank (MiB)")
+    b.set_ylabel("median step time (ms)")
+    for ax in (a, b):
+        ax.set_xlabel("N (ranks)")
+        ax.set_xticks(ns)
+        ax.grid(alpha=0.3)
+    a.legend(fontsize=7, ncol=2)
+    b.legend(fontsize=8)
+    b.set_title("2 shared CPU cores: beyond N = 2 the ranks queue for them", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def decision_figure(results, n):
+    """Each stage at N = n: memory per rank against step time, both relative to DDP."""
+    base = results[n][0]
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for s in (0, 1, 2, 3):
+        m = results[n][s]
+        x, y = m["states"] / base["states"], m["seconds"] / base["seconds"]
+        ax.scatter([x], [y], s=120, color=STAGE_COLORS[s], zorder=3)
+        ax.annotate(STAGE_NAMES[s], (x, y), textcoords="offset points", xytext=(8, 6), fontsize=9)
+    ax.axhline(1, color="black", lw=0.7)
+    ax.axvline(1, color="black", lw=0.7)
+    ax.set_xlabel("model-state memory per rank / DDP's (measured)")
+    ax.set_ylabel("step time / DDP's (measured)")
+    ax.set_title(f"N = {n}: pick the leftmost stage whose memory fits; it costs the least time", fontsize=9)
+    ax.set_xlim(0, 1.15)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,87 @@
+"""Chapter 10's measured scaling: every stage at N = 1, 2, 4 on this machine.
+
+`scaling_worker` builds DDP (stage 0) and ZeRO stages 1-3 on the same model in the same ranks,
+trains each a few steps in turn, and reports per stage the model-state bytes this rank holds
+(measured storages, `memory_report`), the peak of one step above that, the median step time,
+and the bytes the ledger booked for one step. The parent compares them with the formulas.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from .data import CharDataset
+from .memory import model_state_bytes
+from .models import GPT, gpt_config, gpt_loss, num_params
+
+OPT = partial(torch.optim.AdamW, lr=3e-4)
+STAGES = (0, 1, 2, 3)
+
+
+def _engine(stage, size, bucket_mb):
+    from .ddp import DDP
+    from .zero import ZeRO
+    torch.manual_seed(0)
+    model = GPT(gpt_config(size))
+    if stage == 0:
+        return DDP(model, OPT, bucket_mb=bucket_mb)
+    return ZeRO(model, OPT, stage=stage, bucket_mb=bucket_mb)
+
+
+def scaling_worker(size="tiny", batch=2, steps=4, bucket_mb=0.25):
+    """Per stage on this rank: model-state bytes, step peak, median step seconds, ledger bytes, loss."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    data = CharDataset(gpt_config(size).block_size)
+    engines = {s: _engine(s, size, bucket_mb) for s in STAGES}
+    times = {s: [] for s in STAGES}
+    out = {}
+    for i in range(steps):
+        for s in STAGES[i % 4:] + STAGES[:i % 4]:       # rotate the order: fair to every stage
+            eng = engines[s]
+            eng.comm.reset()
+            dist.barrier()
+            t = time.perf_counter()
+            _, loss = gpt_loss(eng, data.batch(i, batch, rank, n))
+            eng.backward(loss)
+            eng.step()
+            times[s].append(time.perf_counter() - t)
+            if i == steps - 1:   # after the last step, gradients still held (stage 2/3 hold shards)
+                rep = eng.memory_report()
+                out[s] = {"states": rep["total"], "peak": rep["peak"], "comm": eng.comm.bytes(),
+                          "loss": loss.item()}
+            eng.zero_grad()
+    for s in STAGES:
+        out[s]["seconds"] = statistics.median(times[s][1:])   # the first step builds optimizer state
+    return out
+
+
+def formula_bytes(psi: int, n: int, stage: int) -> float:
+    """fp32 training with Adam: 4 + 4 bytes of parameter and gradient, K = 8 (two moments)."""
+    return model_state_bytes(psi, n, stage, k=8, param_bytes=4, grad_bytes=4)
+
+
+def comm_formula_bytes(psi: int, n: int, stage: int) -> float:
+    """Ring-model bytes per rank per step: 2(N-1)/N * 4 psi for DDP, ZeRO-1 (all-reduce + gather
+    counted as in zerolab: reduce-scatter + all-gather) and ZeRO-2; 3(N-1)/N * 4 psi for ZeRO-3."""
+    factor = 3 if stage == 3 else 2
+    return factor * (n - 1) / n * 4 * psi
+
+
+def run_scaling(world_sizes=(1, 2, 4), size="tiny", batch=2, steps=4):
+    """Launch once per world size; returns {n: {stage: measurements}} and the parameter count."""
+    from .launch import launch
+    psi = num_params(GPT(gpt_config(size)))
+    results = {}
+    for n in world_sizes:
+        ranks = launch(scaling_worker, n, args=(size, batch, steps))
+        results[n] = {s: {"states": max(r[s]["states"] for r in ranks),
+                          "peak": max(r[s]["peak"] for r in ranks),
+                          "comm": max(r[s]["comm"] for r in ranks),
+                          "seconds": ranks[0][s]["seconds"],
+                          "loss": sum(r[s]["loss"] for r in ranks) / n} for s in STAGES}
+    return results, psi
