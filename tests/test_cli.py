@@ -60,3 +60,30 @@ def test_train_under_torchrun(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("zerolab train:") == 1, "only rank 0 prints the report"
     assert "world size 2" in out.stdout
+
+
+def test_killed_run_resumes_bit_exact_and_consolidates(tmp_path):
+    """A rank SIGKILLed at step 3 ends the job naming it; --resume from the step-2 checkpoint
+    finishes the run exactly as the run that never stopped; consolidate writes one state dict."""
+    import torch
+
+    from zerolab.__main__ import main
+    common = ["-m", "zerolab", "train", "--world-size", "2", "--strategy", "zero2", "--size", "nano",
+              "--steps", "5", "--batch-size", "2", "--plot", "", "--no-progress"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    out = _run([*common, "--save-every", "2", "--save-dir", str(a), "--fault", "kill@3:1"])
+    assert out.returncode == 1
+    assert "rank 1 was killed by signal SIGKILL" in out.stderr and f"--resume {a}" in out.stderr, out.stderr[-2000:]
+    resumed = _run([*common, "--resume", str(a), "--save-every", "5", "--save-dir", str(a)])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "(resumed at step 2)" in resumed.stdout
+    straight = _run([*common, "--save-every", "5", "--save-dir", str(b)])
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    assert _losses(resumed.stdout)[1] == _losses(straight.stdout)[1]
+    for d in (a, b):
+        assert main(["consolidate", str(d), str(d) + ".pt"]) == 0
+    sa = torch.load(str(a) + ".pt", weights_only=True)
+    sb = torch.load(str(b) + ".pt", weights_only=True)
+    assert sa.keys() == sb.keys() and "head.weight" in sa and "tok_emb.weight" in sa
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
