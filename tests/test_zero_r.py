@@ -54,10 +54,12 @@ def zero_on_mesh():
     for mode in MODES:
         out[(2, mode)] = engine_train(mesh, 2, mode)
     out[(1, "pa")] = engine_train(mesh, 1, "pa")
+    out[(3, "pa")] = engine_train(mesh, 3, "pa")    # ZeRO-3 too: units sharded over dp only
     return out
 
 
 def test_zero_on_a_dp2_mp2_mesh_trains_like_the_hand_averaged_tensor_parallel_run():
+    """Stage 2 with no checkpointing, checkpointing, P_a and P_a+cpu; stages 1 and 3 with P_a."""
     out = zl.launch(zero_on_mesh, 4)
     for rank, runs in enumerate(out):
         ref = runs["ref"]
@@ -173,3 +175,22 @@ def test_bad_mesh_is_refused_before_any_rank_can_hang():
     assert "attention heads" in msgs[2]
     assert "max_grad_norm with a mesh of mp > 1" in msgs[3]
     assert "precision='fp16' with a mesh of mp > 1" in msgs[4]
+
+
+def test_activations_are_measured_only_where_asked():
+    opt = partial(torch.optim.SGD, lr=0.1)
+    cfg = gpt_config("nano")
+    batch = CharDataset(cfg.block_size).batch(0, B)
+    held = {}
+    for name, kwargs in (("off", {}), ("plain", dict(track_activations=True)),
+                         ("ckpt", dict(checkpoint_activations=True))):
+        torch.manual_seed(0)
+        eng = zl.ZeRO(GPT(cfg), opt, stage=2, **kwargs)
+        _, loss = gpt_loss(eng, batch)
+        held[name] = eng.memory_report()["activations"]
+        eng.backward(loss)
+    assert held["off"] is None                       # not measured: no number made up
+    # checkpointing keeps the block inputs instead of every intermediate result
+    assert held["ckpt"] < held["plain"] / 3, held
+    with pytest.raises(TypeError, match="track_activations must be"):
+        zl.ZeRO(GPT(cfg), opt, stage=2, track_activations="yes")

@@ -18,6 +18,10 @@ Two versions, so chapter 5 can compare them:
   collectives in the same order and nothing can deadlock.
 
 Each rank sends 2 (N-1)/N of the gradient bytes per step: the paper's "2 Psi".
+
+Every engine also takes mesh= (data parallelism over mesh.dp_group only, for a model that
+is tensor-parallel over mesh.mp_group) and the activation-checkpointing options of ZeRO-R;
+see data_parallel_layout and check_residual_options below.
 """
 
 from __future__ import annotations
@@ -128,7 +132,7 @@ def data_parallel_layout(mesh):
 
 def check_residual_options(model, mesh, *, precision="fp32", max_grad_norm=None,
                            checkpoint_activations=False, partition_activations=False,
-                           offload_activations=False) -> None:
+                           offload_activations=False, track_activations=None) -> None:
     """Refuse bad mesh / ZeRO-R options before any collective (so no rank can hang)."""
     from .mesh import Mesh
     if mesh is not None and not isinstance(mesh, Mesh):
@@ -138,6 +142,8 @@ def check_residual_options(model, mesh, *, precision="fp32", max_grad_norm=None,
                     ("offload_activations", offload_activations)):
         if not isinstance(v, bool):
             raise TypeError(f"{name} must be True or False, got {v!r}")
+    if track_activations is not None and not isinstance(track_activations, bool):
+        raise TypeError(f"track_activations must be None (automatic), True or False, got {track_activations!r}")
     if (partition_activations or offload_activations) and not checkpoint_activations:
         which = "partition_activations" if partition_activations else "offload_activations"
         raise ValueError(f"{which}=True acts on activation checkpoints: it needs "
@@ -166,12 +172,12 @@ def enable_residual(model, mesh, checkpoint_activations, partition_activations, 
 
 
 def measured_forward(engine, *inputs):
-    """engine.model(*inputs); with track_peak, also the bytes the forward leaves alive.
+    """engine.model(*inputs); with track_activations, also the bytes the forward leaves alive.
 
     Those bytes (saved tensors, checkpoints, offloaded slices, the output) are what backward
     needs: memory_report()["activations"]. MEASURED with an allocation tracker, never derived.
     """
-    if not engine.track_peak:
+    if not engine.track_activations:
         return engine.model(*inputs)
     with AllocationTracker() as tracker:
         out = engine.model(*inputs)
@@ -198,18 +204,24 @@ class NaiveDDP:
 
     def __init__(self, model: torch.nn.Module, optimizer, *, precision="fp32", max_grad_norm=None,
                  scaler=None, track_peak: bool = True, mesh=None, checkpoint_activations=False,
-                 partition_activations=False, offload_activations=False):
+                 partition_activations=False, offload_activations=False,
+                 track_activations=None):
         _check_args(model, 1.0, max_grad_norm)
         check_residual_options(model, mesh, precision=precision, max_grad_norm=max_grad_norm,
                                checkpoint_activations=checkpoint_activations,
                                partition_activations=partition_activations,
-                               offload_activations=offload_activations)
+                               offload_activations=offload_activations,
+                               track_activations=track_activations)
         self.mesh = mesh
         self.comm, self.world_size, self.rank, self._src = data_parallel_layout(mesh)
         self.precision = MixedPrecision(precision, scaler=scaler, ledger=self.comm)
         self.checkpointing = enable_residual(model, mesh, checkpoint_activations,
                                              partition_activations, offload_activations)
-        self.last_activations = 0
+        # measuring activations costs an allocation tracker around every forward: on by
+        # default only where ZeRO-R is in use (a mesh or checkpointing); None in the report otherwise
+        self.track_activations = (mesh is not None or checkpoint_activations) \
+            if track_activations is None else bool(track_activations)
+        self.last_activations = None
         self.model = model
         self.max_grad_norm = max_grad_norm
         self.track_peak = track_peak
@@ -377,7 +389,8 @@ class NaiveDDP:
 
     def memory_report(self) -> dict:
         """MEASURED bytes on this rank: params, grads, optimizer (fp32 masters + moments), total
-        (those three), peak (of the last step), activations (left alive by the last forward)."""
+        (those three), peak (of the last step), activations (left alive by the last forward;
+        None unless track_activations, which is on by default with a mesh or checkpointing)."""
         params = list(self.model.parameters())
         grads = [p.grad for p in params if p.grad is not None]
         opt = list(self._master_tensors()) + optimizer_tensors(self.optimizer)
@@ -399,7 +412,7 @@ class DDP(NaiveDDP):
     def __init__(self, model: torch.nn.Module, optimizer, *, precision="fp32", bucket_mb=25.0,
                  max_grad_norm=None, scaler=None, track_peak: bool = True, overlap: bool = True,
                  mesh=None, checkpoint_activations=False, partition_activations=False,
-                 offload_activations=False):
+                 offload_activations=False, track_activations=None):
         _check_args(model, bucket_mb, max_grad_norm)
         self.bucket_mb = float(bucket_mb)
         self.overlap = overlap
@@ -407,7 +420,8 @@ class DDP(NaiveDDP):
                          scaler=scaler, track_peak=track_peak, mesh=mesh,
                          checkpoint_activations=checkpoint_activations,
                          partition_activations=partition_activations,
-                         offload_activations=offload_activations)
+                         offload_activations=offload_activations,
+                         track_activations=track_activations)
 
     def _setup_storage(self):
         mixed = self.precision.policy.needs_master

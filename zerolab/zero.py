@@ -58,6 +58,10 @@ Choices, stated:
 * The fp16 overflow check is all-reduced (every rank skips together); the clip norm is summed
   over ranks (each holds a disjoint slice; padding is zero and tied weights live once).
 * stage=3 is zerolab.zero3.ZeRO3.
+* mesh=zl.Mesh(dp=, mp=): shard over mesh.dp_group only (engine.world_size = mesh.dp,
+  engine.rank = mesh.dp_rank), so a TensorParallelGPT, whose mp ranks hold different
+  shards, trains under ZeRO. checkpoint_activations / partition_activations /
+  offload_activations switch on ZeRO-R's activation strategies (zerolab.checkpointing).
 """
 
 from __future__ import annotations
@@ -96,7 +100,8 @@ class ZeRO(NaiveDDP):
 
     def __init__(self, model: torch.nn.Module, optimizer, *, stage, precision="fp32", bucket_mb=25.0,
                  prefetch=1, max_grad_norm=None, scaler=None, track_peak: bool = True, mesh=None,
-                 checkpoint_activations=False, partition_activations=False, offload_activations=False):
+                 checkpoint_activations=False, partition_activations=False, offload_activations=False,
+                 track_activations=None):
         _check_stage(stage)
         check_precision(precision)      # before any collective: a bad argument must not hang
         _check_args(model, bucket_mb, max_grad_norm)
@@ -111,7 +116,8 @@ class ZeRO(NaiveDDP):
                          scaler=scaler, track_peak=track_peak, mesh=mesh,
                          checkpoint_activations=checkpoint_activations,
                          partition_activations=partition_activations,
-                         offload_activations=offload_activations)
+                         offload_activations=offload_activations,
+                         track_activations=track_activations)
         self._backward_done = False
 
     # -------------------------------------------------------------- layout

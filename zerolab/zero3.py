@@ -186,7 +186,8 @@ class ZeRO3:
 
     def __init__(self, model: nn.Module, optimizer, *, precision="fp32", bucket_mb=25.0, prefetch=1,
                  max_grad_norm=None, scaler=None, units=None, track_peak=True, init_fn=None, mesh=None,
-                 checkpoint_activations=False, partition_activations=False, offload_activations=False):
+                 checkpoint_activations=False, partition_activations=False, offload_activations=False,
+                 track_activations=None):
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (units to gather ahead; 0 = off), got {prefetch!r}")
         meta = any(p.device.type == "meta" for p in model.parameters())
@@ -197,14 +198,19 @@ class ZeRO3:
         check_residual_options(model, mesh, precision=precision, max_grad_norm=max_grad_norm,
                                checkpoint_activations=checkpoint_activations,
                                partition_activations=partition_activations,
-                               offload_activations=offload_activations)
+                               offload_activations=offload_activations,
+                               track_activations=track_activations)
         # under a mesh, shard over the dp group only (engine.world_size = mesh.dp)
         self.mesh = mesh
         self.comm, self.world_size, self.rank, self._src = data_parallel_layout(mesh)
         self.precision = MixedPrecision(precision, scaler=scaler, ledger=self.comm)
         self.checkpointing = enable_residual(model, mesh, checkpoint_activations,
                                              partition_activations, offload_activations)
-        self.last_activations = 0
+        # measuring activations costs an allocation tracker around every forward: on by
+        # default only where ZeRO-R is in use (a mesh or checkpointing); None in the report otherwise
+        self.track_activations = (mesh is not None or checkpoint_activations) \
+            if track_activations is None else bool(track_activations)
+        self.last_activations = None
         self.model, self.prefetch, self.bucket_mb = model, prefetch, float(bucket_mb)
         self.max_grad_norm, self.track_peak = max_grad_norm, track_peak
         self.steps, self.last_peak, self.last_grad_norm = 0, 0, None
