@@ -18,6 +18,7 @@ SPECS = [
     ("awk-naive", "awk", "naive", "fp32"),
     ("awk-zero2", "awk", "zero2", "fp32"),
     ("awk-zero3-bf16", "awk", "zero3", "bf16"),
+    ("awk-ddp-fp16", "awk", "ddp", "fp16"),     # the loss scaler's state comes back too
 ]
 
 
@@ -204,6 +205,7 @@ def test_garbage_metadata_is_named(saved_single):
     _fresh_and_check_unchanged(path, ["metadata.json", "not valid"])
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 def test_a_shard_that_would_run_code_is_refused(saved_single):
     path, shard = saved_single
     import hashlib
