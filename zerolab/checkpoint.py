@@ -155,12 +155,11 @@ def _refresh_compute(engine, reader):
                     if u.master is not None:
                         u.shard["train"].copy_(u.master)
         elif kind in ("zero1", "zero2"):
-            # every rank holds the whole compute model: read each parameter whole
+            # every rank holds the whole compute model (in fp32 the master shard is a view
+            # into it): read each parameter whole, as the all-gather after a step would
             names = _names(engine.model)
             for p in engine.params:
                 reader.fill(p.data.view(-1), names[id(p)], 0, p.numel(), "value")
-            if not mixed:   # fp32: the master shard is a view of the data just written
-                pass
         elif mixed:
             for p, m in zip(engine.params, engine.masters):
                 p.data.copy_(m)
