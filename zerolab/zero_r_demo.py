@@ -113,7 +113,7 @@ def defrag_table(n_layer: int = 4, batch: int = 8, capacities=(1.0, 1.05, 1.10, 
 # ------------------------------------------------------------------ 3. the mesh runs (world 4)
 
 
-def _run(mesh, stage, mode, steps=2, n_layer=4):
+def _run(mesh, stage, mode, steps=1, n_layer=4):
     torch.manual_seed(0)
     model = TensorParallelGPT.from_dense(GPT(_cfg(n_layer)), mesh)
     eng = zl.ZeRO(model, partial(torch.optim.AdamW, lr=1e-3), stage=stage, mesh=mesh, bucket_mb=0.05,
@@ -192,7 +192,7 @@ def buffer_curve(n_layers=(1, 2, 4, 8), bucket_mb: float = 0.05) -> list:
 # ------------------------------------------------------------------ 5. step time (benchmark rows)
 
 
-def step_times(steps: int = 6, n_layer: int = 4) -> dict:
+def step_times(steps: int = 4, n_layer: int = 4) -> dict:
     """Seconds per step of plain stage 2, checkpointing, P_a and P_a+cpu, in the same processes.
 
     The four engines take turns step by step, so a slow moment of the shared machine hits
