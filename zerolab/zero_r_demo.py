@@ -196,7 +196,7 @@ def step_times(steps: int = 4, n_layer: int = 4) -> dict:
     """Seconds per step of plain stage 2, checkpointing, P_a and P_a+cpu, in the same processes.
 
     The four engines take turns step by step, so a slow moment of the shared machine hits
-    all of them alike; the figure is the median over steps.
+    all of them alike; the figures are medians over steps, in wall-clock and CPU seconds.
     """
     mesh = Mesh(dp=2, mp=2)
     engines = {}
@@ -204,23 +204,27 @@ def step_times(steps: int = 4, n_layer: int = 4) -> dict:
         torch.manual_seed(0)
         model = TensorParallelGPT.from_dense(GPT(_cfg(n_layer)), mesh)
         engines[mode] = zl.ZeRO(model, partial(torch.optim.AdamW, lr=1e-3), stage=2, mesh=mesh,
-                                track_peak=False, **MODES[mode])
+                                track_peak=False, track_activations=False, **MODES[mode])
     data = CharDataset(_cfg().block_size)
     times = {mode: [] for mode in MODES}
-    fwd = []
+    cpu = {mode: [] for mode in MODES}       # this process's CPU time: other users of the machine barely move it
+    fwd, fwd_cpu = [], []
     for s in range(steps + 1):
         batch = data.batch(s, B, mesh.dp_rank, mesh.dp)
         for mode, eng in engines.items():
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             _, loss = gpt_loss(eng, batch)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             eng.backward(loss)
             eng.step()
             eng.zero_grad()
             if s:                     # step 0 warms up
                 times[mode].append(time.perf_counter() - t0)
+                cpu[mode].append(time.process_time() - c0)
                 if mode == "none":
                     fwd.append(t1 - t0)
+                    fwd_cpu.append(c1 - c0)
     med = lambda xs: sorted(xs)[len(xs) // 2]
-    return {"step": {m: med(t) for m, t in times.items()}, "forward": med(fwd)}
+    return {"step": {m: med(t) for m, t in times.items()}, "forward": med(fwd),
+            "step_cpu": {m: med(t) for m, t in cpu.items()}, "forward_cpu": med(fwd_cpu)}
