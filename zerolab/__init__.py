@@ -26,6 +26,7 @@ _LAZY = {
     "SingleProcess": ("zerolab.single", "SingleProcess"),
     "plots": ("zerolab.plots", None),
     "timeline": ("zerolab.timeline", None),
+    "checkpoint": ("zerolab.checkpoint", None),
     "mesh": ("zerolab.mesh", None),
     "Mesh": ("zerolab.mesh", "Mesh"),
     "tensor_parallel": ("zerolab.tensor_parallel", None),
