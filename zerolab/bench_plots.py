@@ -25,6 +25,7 @@ def bench_figure(s):
         ax.set_title(title, fontsize=10)
         ax.grid(axis="x", alpha=0.3)
     axes[0].axvline(1.0, color="black", lw=0.8)
+    axes[1].set_xscale("log")   # a few MB beside DeepSpeed's GB-sized default buckets
     axes[0].set_yticks(list(y), names)
     axes[0].invert_yaxis()
     handles = [matplotlib.patches.Patch(color=c, label=f) for f, c in FAMILY_COLORS.items()]
