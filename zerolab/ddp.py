@@ -39,7 +39,7 @@ from .launch import rank as _rank
 from .launch import world_size as _world_size
 from .memory import AllocationTracker, PeakMemory, live_bytes, optimizer_tensors
 from .precision import MixedPrecision, clip_grad_norm_
-from .single import build_optimizer
+from .single import build_optimizer, check_optimizer_factory
 
 
 # ------------------------------------------------------------------ checks at construction
@@ -207,6 +207,7 @@ class NaiveDDP:
                  partition_activations=False, offload_activations=False,
                  track_activations=None):
         _check_args(model, 1.0, max_grad_norm)
+        check_optimizer_factory(optimizer, precision)   # before the model is touched
         check_residual_options(model, mesh, precision=precision, max_grad_norm=max_grad_norm,
                                checkpoint_activations=checkpoint_activations,
                                partition_activations=partition_activations,

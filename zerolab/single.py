@@ -22,8 +22,8 @@ from .memory import PeakMemory, live_bytes, optimizer_tensors
 from .precision import MixedPrecision, clip_grad_norm_
 
 
-def build_optimizer(optimizer, params, precision: str) -> torch.optim.Optimizer:
-    """Call an optimizer factory on `params`, refusing an already-built optimizer."""
+def check_optimizer_factory(optimizer, precision: str) -> None:
+    """Refuse anything but a factory, before an engine touches the model."""
     if isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be a factory (a callable params -> torch.optim.Optimizer), not an "
@@ -33,6 +33,11 @@ def build_optimizer(optimizer, params, precision: str) -> torch.optim.Optimizer:
     if not callable(optimizer):
         raise TypeError(f"optimizer must be a callable params -> torch.optim.Optimizer, "
                         f"e.g. functools.partial(torch.optim.AdamW, lr=3e-4); got {optimizer!r}")
+
+
+def build_optimizer(optimizer, params, precision: str) -> torch.optim.Optimizer:
+    """Call an optimizer factory on `params`, refusing an already-built optimizer."""
+    check_optimizer_factory(optimizer, precision)
     opt = optimizer(params)
     if not isinstance(opt, torch.optim.Optimizer):
         raise TypeError(f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
@@ -149,6 +154,7 @@ class SingleProcess:
                "optimizer": live_bytes(opt, exclude=params + grads)}
         out["total"] = out["params"] + out["grads"] + out["optimizer"]
         out["peak"] = self.last_peak
+        out["activations"] = None  # not tracked by the reference engine (the others measure it on request)
         return out
 
     def state_dict(self) -> dict:

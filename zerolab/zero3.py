@@ -44,7 +44,7 @@ from .ddp import (_check_args, broadcast_from_rank0, check_residual_options, che
                   data_parallel_layout, enable_residual, measured_forward)
 from .memory import PeakMemory, live_bytes, optimizer_tensors
 from .precision import MixedPrecision, clip_grad_norm_
-from .single import build_optimizer
+from .single import build_optimizer, check_optimizer_factory
 
 Event = namedtuple("Event", "time rank unit state phase")
 """One step of a unit's lifecycle: state is gathering | gathered | in_use | reduce_scatter | released."""
@@ -195,6 +195,7 @@ class ZeRO3:
             raise ValueError("the model is on the meta device: pass init_fn(name, module) to "
                              "initialise its parameters unit by unit")
         _check_args(model, bucket_mb, max_grad_norm)
+        check_optimizer_factory(optimizer, precision)   # before the model is touched
         check_residual_options(model, mesh, precision=precision, max_grad_norm=max_grad_norm,
                                checkpoint_activations=checkpoint_activations,
                                partition_activations=partition_activations,
