@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 import zlib
 
 import torch
@@ -37,7 +36,7 @@ from .buckets import FlatBuckets, bucket_order
 from .comm import Ledger
 from .launch import rank as _rank
 from .launch import world_size as _world_size
-from .memory import AllocationTracker, PeakMemory, live_bytes, optimizer_tensors
+from .memory import AllocationTracker, PeakMemory, live_bytes, optimizer_tensors, settled
 from .precision import MixedPrecision, clip_grad_norm_
 from .single import build_optimizer, check_optimizer_factory
 
@@ -182,17 +181,9 @@ def measured_forward(engine, *inputs):
     with AllocationTracker() as tracker:
         out = engine.model(*inputs)
     mesh = getattr(engine, "mesh", None)
-    if mesh is not None and mesh.mp > 1:
-        # tensor parallelism all-reduces inside forward, and gloo's worker thread may hold
-        # the last tensor for a moment after the call returned: let the count settle
-        last, steady = tracker.current, 0
-        for _ in range(50):
-            time.sleep(0.002)
-            steady = steady + 1 if tracker.current == last else 0
-            last = tracker.current
-            if steady >= 3:
-                break
-    engine.last_activations = tracker.current
+    # tensor parallelism all-reduces inside forward, and gloo's worker thread may hold the
+    # last tensor for a moment after the call returned: let the count settle
+    engine.last_activations = settled(tracker, 0.1) if mesh is not None and mesh.mp > 1 else tracker.current
     return out
 
 

@@ -155,16 +155,23 @@ def held_after(fn, *args, **kwargs):
     """
     with AllocationTracker() as tracker:
         out = fn(*args, **kwargs)
-    # A collective's backend thread (gloo's worker) may still hold a tensor for a moment after
-    # the collective returned; give it a few milliseconds to let go before reading the count.
+    return out, settled(tracker)
+
+
+def settled(tracker: "AllocationTracker", max_wait: float = 0.2) -> int:
+    """tracker.current once it stops changing.
+
+    A collective's backend thread (gloo's worker) may still hold a tensor for a moment after
+    the collective returned; give it a few milliseconds to let go before reading the count.
+    """
     last, steady = tracker.current, 0
-    for _ in range(100):
+    for _ in range(int(max_wait / 0.002)):
         time.sleep(0.002)
         steady = steady + 1 if tracker.current == last else 0
         last = tracker.current
         if steady >= 3:
             break
-    return out, tracker.current
+    return tracker.current
 
 
 # ------------------------------------------------------------------ measurement: peak of a region
