@@ -145,3 +145,33 @@ def test_saved_activations_exclude_parameters():
     # Linear saves its input (5x10 floats) and its weight; the weight is a parameter, not an activation.
     _, nbytes = memory.saved_activation_bytes(lin, x, exclude=list(lin.parameters()))
     assert nbytes == 5 * 10 * 4
+
+
+@pytest.mark.skipif(memory.malloc_in_use() is None, reason="needs glibc's mallinfo2")
+def test_malloc_trace_sees_what_dispatch_level_tracking_cannot():
+    import threading
+    mb = 2 ** 20
+    with memory.MallocTrace(), memory.AllocationTracker():
+        torch.ones(1) * 2      # first use in a process: one-off lazy set-up (tens of MB) of its own
+    with memory.MallocTrace() as trace, memory.AllocationTracker() as tracker:
+        a = torch.ones(4 * mb, dtype=torch.uint8)                 # an op: both see it
+        s = torch.empty(0, dtype=torch.uint8)
+        s.untyped_storage().resize_(3 * mb)                        # in place: not an op
+        trace.mark("grown")
+        b = torch.ones(5 * mb, dtype=torch.uint8)
+        box = [b]
+        del b
+        t = threading.Thread(target=box.clear)                     # freed by another thread
+        t.start()
+        t.join()
+        trace.mark("freed")
+        c = torch.ones(mb, dtype=torch.uint8) * 2                  # a temporary inside the window
+        del c
+        trace.mark("end")
+    # independent reference: the sizes we asked for (malloc adds a few bytes of bookkeeping)
+    assert trace.held("grown") == pytest.approx(7 * mb, abs=64 * 1024)
+    assert tracker.peak == 9 * mb    # the dispatch-level tracker: a + b, it never saw the resize
+    assert trace.held("freed") == pytest.approx(7 * mb, abs=64 * 1024)
+    assert trace.peak("grown", "end") == pytest.approx(12 * mb, abs=64 * 1024)
+    assert trace.peak("freed", "end") == pytest.approx(9 * mb, abs=64 * 1024)
+    del a, s

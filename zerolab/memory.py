@@ -267,6 +267,75 @@ class PeakMemory:
         return False
 
 
+def malloc_in_use() -> int | None:
+    """Bytes this whole process has in use from malloc (glibc's mallinfo2), or None elsewhere.
+
+    Every CPU tensor's memory comes from malloc, whichever code or thread allocated it."""
+    global _mallinfo2
+    if _mallinfo2 is None:
+        import ctypes
+
+        class _Info(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                      "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+        try:
+            fn = ctypes.CDLL("libc.so.6").mallinfo2
+            fn.restype = _Info
+            _mallinfo2 = fn
+        except (OSError, AttributeError):   # not glibc >= 2.33 (macOS, musl, old Linux)
+            _mallinfo2 = False
+    if not _mallinfo2:
+        return None
+    info = _mallinfo2()
+    return info.uordblks + info.hblkhd      # in use in the heap + in mmapped blocks
+
+
+_mallinfo2 = None
+
+
+class MallocTrace(TorchDispatchMode):
+    """The bytes the process has in use from malloc, sampled after every PyTorch op.
+
+        with MallocTrace() as trace:
+            engine = build()            # model, optimizer state, buffers: all counted
+            warm_up(engine)
+            trace.mark("step")
+            engine.step(...)
+            trace.mark("end")
+        trace.held("step"), trace.peak("step", "end")    # bytes above the block's start
+
+    The trackers above see the tensors Python code creates. This one sees malloc itself, so
+    it also counts what C++ code allocates (PyTorch DDP's reducer buckets), storages resized
+    in place (FSDP2's gathered parameters) and tensors freed by other threads (gloo's): the
+    fair measure when comparing engines we did not write. Its samples come after each op, so
+    a temporary born and freed inside one op is missed. Linux (glibc) only.
+    """
+
+    def __enter__(self):
+        self._base = malloc_in_use()
+        if self._base is None:
+            raise RuntimeError("MallocTrace needs glibc's mallinfo2 (Linux); use PeakMemory elsewhere")
+        self._samples, self._marks = [0], {}
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._samples.append(malloc_in_use() - self._base)
+        return out
+
+    def mark(self, name: str) -> None:
+        self._samples.append(malloc_in_use() - self._base)
+        self._marks[name] = len(self._samples) - 1
+
+    def held(self, mark: str) -> int:
+        """Bytes in use at `mark`, above the start of the block."""
+        return self._samples[self._marks[mark]]
+
+    def peak(self, start: str, end: str) -> int:
+        """The most bytes in use at any sample between two marks."""
+        return max(self._samples[self._marks[start]:self._marks[end] + 1])
+
+
 # ------------------------------------------------------------------ one measured training step
 
 

@@ -21,7 +21,7 @@ built on one flat fp32 tensor per bucket (the owned slice): it cannot tell it is
 
 * Stage 1 (P_os): gradients land in full flat buffers, exactly as in DDP. After backward, each
   bucket is reduce-scattered; the reduced slice is written back into the owned part of the
-  bucket. The full gradient buffers stay allocated: that is stage 1's (2 + 2) Psi.
+  bucket. The full gradient buffers stay allocated until zero_grad: that is stage 1's (2 + 2) Psi.
 * Stage 2 (P_os+g): there is no full gradient buffer. When a parameter's gradient is ready
   (a post-accumulate-grad hook) it is copied into its bucket's COMMUNICATION buffer and the
   parameter's .grad is freed. As soon as a bucket is full it is reduce-scattered
@@ -48,6 +48,9 @@ Choices, stated:
 * Stage 2 cannot honour no_sync by skipping communication (there is no full gradient to
   accumulate into): inside no_sync every micro-batch is still reduce-scattered and added to the
   owned slice. Stage 1 honours no_sync like DDP.
+* Gradient storage (stage 1's full buckets, stage 2's owned slices) is allocated when a
+  step's backward first needs it and freed by zero_grad, like PyTorch's set_to_none: between
+  steps, and during the forward, when activations are at their peak, no gradient is held.
 * A parameter no rank reached in a backward (an unused branch) has no gradient in a single
   process, so the optimizer skips it. Here it is one piece of a flat slice: its values and its
   optimizer-state entries are saved before the step and put back after it, so it does not move
@@ -142,13 +145,14 @@ class ZeRO(NaiveDDP):
             # fp32: the optimizer updates the owned slice of the model's own flat buffer
             self.master_shards = [b.data[s] for b, s in zip(buckets, self.shards)]
         self.masters = self.master_shards          # what the optimizer is built on
+        # Gradient storage exists from a step's backward to its zero_grad only: allocated
+        # when the backward first needs it, freed by zero_grad (as PyTorch's set_to_none), so
+        # the forward never runs with last step's gradients in memory
         if self.stage == 1:
-            self.buckets.bind_grads()                # full gradient buffers, as in DDP
-            self.grad_shards = None
+            self.grad_shards = None                  # full flat gradient buckets, as in DDP
         else:
             # only the owned gradient slice is kept (compute dtype; see the module docstring)
-            self.grad_shards = [torch.zeros(s.stop - s.start, dtype=dtype, device=self.device)
-                                for s in self.shards]
+            self.grad_shards = [None] * len(buckets)
             self.buffer_numel = max(b.padded_numel for b in buckets)
             self.max_buffers = 0                     # most buffers alive at once (measured)
             self.max_buffer_bytes = 0                # most bytes in those buffers at once (C_B)
@@ -196,35 +200,53 @@ class ZeRO(NaiveDDP):
             self._buffer_of[b] = self._acquire()
         return self._buffer_of[b]
 
+    def _grad_bucket(self, b):
+        """Stage 1: bucket b's flat gradient buffer, allocated (zeros, p.grad views) on first use."""
+        bucket = self.buckets.buckets[b]
+        if bucket.grad is None:
+            bucket.bind_grads()
+        return bucket.grad
+
+    def _release_grads(self):
+        if self.stage == 1:
+            for bucket in self.buckets.buckets:
+                bucket.grad, bucket._grad_views = None, []
+        else:
+            self.grad_shards = [None] * len(self.buckets.buckets)
+        for p in self.params:
+            p.grad = None
+
     def _grad_bytes_now(self) -> int:
         held = [p.grad for p in self.params if p.grad is not None]
         if self.stage == 1:
-            held += [b.grad for b in self.buckets.buckets]
+            held += [b.grad for b in self.buckets.buckets if b.grad is not None]
         else:
-            held += self.grad_shards + [a for a in self._acc32 if a is not None]
+            held += [g for g in self.grad_shards if g is not None] + [a for a in self._acc32 if a is not None]
             held += list(self._buffer_of.values()) + self._free
             held += [buf for _, _, buf, _ in self._pending if buf is not None]
         return live_bytes(held)
 
     # -------------------------------------------------------------- the reduction
     def _on_grad_ready(self, p):
-        if not self._sync and self.stage == 1:
-            # no_sync (stage 1): gradients just accumulate in the full buckets; remember that
-            # this parameter was reached, so the synced backward does not take it for unused
-            self._ready[self.buckets.where[p][0]].add(id(p))
-            return
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self._callback_queued = True
         b, i = self.buckets.where[p]
         bucket = self.buckets.buckets[b]
         if self.stage == 1:
+            grad = p.grad
+            self._grad_bucket(b)     # (allocating it points every p.grad of the bucket at it)
             view = bucket.grad_view(i)
-            if p.grad is not view:   # autograd replaced p.grad: put it back into the bucket
-                if p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad)
+            if grad is not view:     # a fresh gradient (first backward of a step): into the bucket
+                if grad.data_ptr() != view.data_ptr():
+                    view.copy_(grad)
                 p.grad = view
-        else:
+            if not self._sync:
+                # no_sync: gradients just accumulate in the full buckets; remember that this
+                # parameter was reached, so the synced backward does not take it for unused
+                self._ready[b].add(id(p))
+                return
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
+        if self.stage == 2:
             o, n = bucket.offsets[i], bucket.sizes[i]
             self._buffer(b)[o:o + n].copy_(p.grad.reshape(-1))
             p.grad = None            # stage 2: the full gradient is not kept
@@ -239,14 +261,16 @@ class ZeRO(NaiveDDP):
     def _launch(self, b):
         bucket = self.buckets.buckets[b]
         if self.stage == 1:
-            flat, buf = bucket.grad, None
+            flat, buf = self._grad_bucket(b), None   # zeros if no gradient reached it
         else:
             buf = self._buffer(b)
             flat = buf[:bucket.padded_numel]
         flat.div_(self.world_size)  # gloo has no AVG: divide, then sum
         size = bucket.padded_numel // self.world_size
         if self.stage == 2 and not self._filled[b]:
-            out, temp = self.grad_shards[b], None   # straight into the owned slice
+            # straight into the owned slice, allocated now (the collective fills all of it)
+            self.grad_shards[b] = torch.empty(size, dtype=flat.dtype, device=self.device)
+            out, temp = self.grad_shards[b], None
         else:
             out = temp = torch.empty(size, dtype=flat.dtype, device=self.device)
         h = self.comm.reduce_scatter(out, flat, async_op=True, tag=f"bucket{b}")
@@ -390,14 +414,7 @@ class ZeRO(NaiveDDP):
     def zero_grad(self) -> None:
         self._unused = set()
         self._unused_so_far = None
-        if self.stage == 1:
-            self.buckets.zero_grads()
-            self.buckets.attach_grads()
-        else:
-            for g in self.grad_shards:
-                g.zero_()
-            for p in self.params:
-                p.grad = None
+        self._release_grads()
         self._acc32 = [None] * len(self.buckets.buckets)
         self._filled = [False] * len(self.buckets.buckets)
         self._drop_master_grads()
@@ -433,7 +450,7 @@ class ZeRO(NaiveDDP):
         params = list(self.model.parameters())
         grads = [p.grad for p in params if p.grad is not None]
         if self.stage == 2:
-            grads += self.grad_shards + [a for a in self._acc32 if a is not None]
+            grads += [g for g in self.grad_shards if g is not None] + [a for a in self._acc32 if a is not None]
         opt = list(self.master_shards) + optimizer_tensors(self.optimizer)
         out = {"params": live_bytes(params), "grads": live_bytes(grads, exclude=params),
                "optimizer": live_bytes(opt, exclude=params + grads)}
