@@ -13,14 +13,19 @@ parameters live the life of a state machine (the events in `engine.events`):
 
     partitioned --all-gather--> gathered --forward/backward--> in use --free--> partitioned
 
-* forward:  a unit's pre-forward hook waits for its all-gather (issued earlier by the
-  prefetch of the unit before it), prefetches the next unit(s), and its post-forward hook
-  frees the gathered buffer by RESIZING ITS STORAGE TO 0 (the parameters stay views into it,
-  so tensors autograd saved keep pointing at the right memory once it is gathered again).
-* backward: a hook on the unit's outputs gathers it again (and prefetches the unit before
-  it); when every trainable parameter's gradient has been accumulated and the gradient of
-  the unit's inputs has been computed, the full gradient is reduce-scattered (each rank
-  keeps its shard) and the parameters are freed again.
+* forward:  a unit's pre-forward hook issues its all-gather (unless the prefetch of the unit
+  before it already did), issues the all-gathers of the next `prefetch` units, and only
+  then waits for its own; its post-forward hook frees the gathered buffer by RESIZING ITS
+  STORAGE TO 0 (the parameters stay views into it, so tensors autograd saved keep pointing
+  at the right memory once it is gathered again).
+* backward: a hook on the unit's outputs gathers it again, prefetching the units backward
+  needs next (the reverse of the order in which their forwards ENDED: the root, whose
+  forward ends last, then the last block, ...); when every trainable parameter's gradient
+  has been accumulated and the gradient of the unit's inputs has been computed, the full
+  gradient is reduce-scattered (each rank keeps its shard) and the parameters are freed.
+  A full gradient is freed once its reduce-scatter is done, which is checked when the next
+  unit's starts: at most two are in flight (plus the root's, filled from the first to the
+  last moment of backward: its head runs first, its embeddings last).
 * step:     the optimizer updates this rank's fp32 shard. Nothing is gathered: the next
   forward gathers what it needs.
 
@@ -30,6 +35,7 @@ all-gather in backward, reduce-scatter of the gradients, the paper's 3 Psi (1.5x
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 import zlib
@@ -182,7 +188,23 @@ def _storage_alloc(t: torch.Tensor):
 
 
 class ZeRO3:
-    """ZeRO stage 3: parameters, gradients and optimizer state sharded over the ranks."""
+    """ZeRO stage 3: parameters, gradients and optimizer state sharded over the ranks.
+
+    precision  "fp32" | "bf16" | "fp16": units are gathered, computed and reduce-scattered in
+               the compute dtype; each rank's fp32 master shard (taken from the exact fp32
+               values before the cast) and its optimizer state stay fp32. A gradient shard
+               accumulated over several micro-batches is kept in fp32 from the second one on.
+    prefetch   units whose all-gather is issued ahead of need (0: each unit is gathered only
+               when it runs; 1: the next unit travels while this one computes; more: further).
+    units      submodules (or their names) to gather and free as one; default: the children
+               of the largest nn.ModuleList / nn.Sequential, plus the root (everything else).
+    bucket_mb  accepted (and checked) so every engine takes the same arguments, but IGNORED:
+               stage 3 communicates one unit at a time (one all-gather and one reduce-scatter
+               per unit), because a unit is what one forward needs whole. Splitting it into
+               buckets would add collectives without lowering the peak; merging units would
+               raise the peak. The knob for communication granularity is `units`.
+    init_fn    init_fn(name, module) for a model built on the meta device (see gpt_init).
+    """
 
     def __init__(self, model: nn.Module, optimizer, *, precision="fp32", bucket_mb=25.0, prefetch=1,
                  max_grad_norm=None, scaler=None, units=None, track_peak=True, init_fn=None, mesh=None,
@@ -217,9 +239,12 @@ class ZeRO3:
         self.steps, self.last_peak, self.last_grad_norm = 0, 0, None
         self.events: list = []
         self._fwd_order: list = []      # units in the order the last forward ran them
-        self._cur_order: list = []
+        self._cur_order: list = []      # units in the order their forwards began ...
+        self._done_order: list = []     # ... and ended (this forward)
+        self._bwd_order: list = []      # the order backward will need them
         self._fwd_counts = None
         self._callback_started = False
+        self._reducing: list = []       # units whose reduce-scatter is in flight, oldest first
         check_same_model(model, self.comm, self._src)
 
         found, note = find_units(model, units)
@@ -296,11 +321,13 @@ class ZeRO3:
                 b = Bucket(0, params, self.world_size)
                 with torch.no_grad():
                     b.bind_params()           # parameters become views into b.data
+            self.comm.broadcast(b.data, src=self._src, tag="setup")   # ranks start identical (in place)
             if mixed:
-                b.data = b.data.to(dtype)
+                if kind == "train":           # the fp32 master shard, from the exact fp32 values
+                    master = b.data[b.shard(self.rank)].clone()
+                b.data = b.data.to(dtype)     # then the unit becomes low precision
                 for view, p in zip(b.views(b.data), b.params):
                     p.data = view
-            self.comm.broadcast(b.data, src=self._src, tag="setup")   # ranks start identical (in place)
             u.buckets[kind] = b
             u.full[kind] = b.data
             u.shard[kind] = b.data[b.shard(self.rank)].clone()
@@ -308,11 +335,11 @@ class ZeRO3:
         u.params = [p for b in u.buckets.values() for p in b.params]
         u.master = None
         if "train" in u.buckets:
-            s = u.shard["train"]
-            u.master = nn.Parameter(s.float().clone() if mixed else s)
+            u.master = nn.Parameter(master if mixed else u.shard["train"])
             if not mixed:
                 u.shard["train"] = u.master.data
         u.grad_shard = None
+        u.unused_positions = None       # positions no backward reached since zero_grad()
         for pos, p in enumerate(u.buckets["train"].params if "train" in u.buckets else []):
             p._zero3_pos = pos
 
@@ -377,14 +404,18 @@ class ZeRO3:
             if u.index == 0 and not recompute:
                 self._start_forward()
             phase = "backward" if recompute else "forward"
-            self._wait_gather(u, phase)
-            self._event(u, "in_use", phase)
             if recompute:
+                self._wait_gather(u, phase)
+                self._event(u, "in_use", phase)
                 return None
             self._cur_order.append(u)
             self._fwd_counts[u.index] += 1
-            order = self._fwd_order or self.units
-            self._prefetch_after(order, u, "forward")
+            # issue this unit's gather (if no prefetch did), then the next units', THEN wait:
+            # the gathers ahead travel while this unit waits and computes
+            self._gather(u, phase, async_op=True)
+            self._prefetch_after(self._fwd_order or self.units, u, "forward")
+            self._wait_gather(u, phase)
+            self._event(u, "in_use", phase)
             if torch.is_grad_enabled():
                 flat, spec = tree_flatten((args, kwargs))
                 idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -403,6 +434,7 @@ class ZeRO3:
             if u.in_backward:           # a recompute inside backward: keep the unit gathered
                 return None
             self._release(u, "forward")
+            self._done_order.append(u)
             if torch.is_grad_enabled():
                 outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
                 for t in outs:
@@ -415,7 +447,7 @@ class ZeRO3:
     def _start_forward(self):
         if self._cur_order:
             self._fwd_order = self._dedupe(self._cur_order)
-        self._cur_order = []
+        self._cur_order, self._done_order = [], []
         self._callback_started = False
         self._fwd_counts = [0] * len(self.units)
         for u in self.units:
@@ -440,6 +472,9 @@ class ZeRO3:
         bad = [u.name for u, a, b in zip(self.units, hi, lo) if a != b]
         if self._cur_order:
             self._fwd_order = self._dedupe(self._cur_order)
+        # backward runs the units in the reverse order of their forwards' ENDS: the root (whose
+        # forward ends last) first, then the last block... (a unit called twice: its last call)
+        self._bwd_order = self._dedupe(self._done_order[::-1])
         if bad:
             for u in self.units:
                 self._release(u, "forward")
@@ -457,15 +492,16 @@ class ZeRO3:
             return
         if not u.in_backward:
             u.in_backward = True
+            self._gather(u, "backward", async_op=True)
+            self._prefetch_after(self._bwd_order, u, "backward")
             self._wait_gather(u, "backward")
             self._event(u, "in_use", "backward")
-            self._prefetch_after(self._fwd_order[::-1], u, "backward")
 
     def _on_grad_accumulated(self, p):
         u = self.param_unit[id(p)]
         b = u.buckets["train"]
         if u.grad_full is None:
-            u.grad_full = torch.zeros(b.padded_numel, dtype=p.dtype)
+            u.grad_full = torch.zeros(b.padded_numel, dtype=p.dtype, device=p.device)
         pos = p._zero3_pos
         view = u.grad_full[b.offsets[pos]:b.offsets[pos] + b.sizes[pos]].view(p.shape)
         view.add_(p.grad)
@@ -492,13 +528,32 @@ class ZeRO3:
         if "train" in u.buckets:
             b = u.buckets["train"]
             if u.grad_full is None:
-                u.grad_full = torch.zeros(b.padded_numel, dtype=b.data.dtype)
+                u.grad_full = torch.zeros(b.padded_numel, dtype=b.data.dtype, device=b.data.device)
             u.grad_full.div_(self.world_size)          # gloo has no AVG: divide, then sum
-            u.rs_out = torch.empty(b.padded_numel // self.world_size, dtype=u.grad_full.dtype)
+            u.rs_out = torch.empty(b.padded_numel // self.world_size, dtype=u.grad_full.dtype,
+                                   device=b.data.device)
             self._event(u, "reduce_scatter", "backward")
             u.rs_handle = self.comm.reduce_scatter(u.rs_out, u.grad_full, async_op=True,
                                                    tag=f"reduce:{u.name}")
+            self._reducing.append(u)
         self._release(u, "backward")
+        # at most two full unit gradients in flight: the older ones have had a whole unit's
+        # backward to finish, so waiting for them here costs (almost) nothing and frees them
+        while len(self._reducing) > 1:
+            self._complete_reduce(self._reducing.pop(0))
+
+    def _complete_reduce(self, u):
+        """u's reduce-scatter is done: keep (or add to) its gradient shard, free the full gradient."""
+        u.rs_handle.wait()
+        u.rs_handle = None
+        u.grad_full = None                # the full gradient is gone; the shard stays
+        if u.grad_shard is None:
+            u.grad_shard = u.rs_out
+        else:                             # a later micro-batch: accumulate the shard in fp32
+            if u.grad_shard.dtype != torch.float32:
+                u.grad_shard = u.grad_shard.float()
+            u.grad_shard.add_(u.rs_out)
+        u.rs_out = None
 
     def _finish_backward(self):
         """End of autograd's work: reduce units whose gradients never all arrived, in order."""
@@ -523,16 +578,16 @@ class ZeRO3:
             raise RuntimeError(f"ZeRO3: ranks ran different code paths: the backward of unit(s) "
                                f"{', '.join(bad)} ran on some ranks but not on others")
         used = flags[:len(flags) - 2 * n].tolist()
+        while self._reducing:
+            self._complete_reduce(self._reducing.pop(0))
         k = 0
         for u in self.units:
-            if u.rs_handle is not None:
-                u.rs_handle.wait()
-                u.rs_handle = None
-                u.grad_full = None       # the full gradient is gone; the shard stays
-                u.grad_shard = u.rs_out if u.grad_shard is None else u.grad_shard.add_(u.rs_out)
-                u.rs_out = None
             n_train = len(u.buckets["train"].params) if "train" in u.buckets else 0
-            u.unused_positions = [i for i in range(n_train) if used[k + i] == 0.0]
+            unused = {i for i in range(n_train) if used[k + i] == 0.0}
+            # over micro-batches, a parameter is unused only if no backward reached it
+            if u.unused_positions is not None:
+                unused &= set(u.unused_positions)
+            u.unused_positions = sorted(unused)
             k += n_train
             u.in_backward = False
 
@@ -543,8 +598,24 @@ class ZeRO3:
                   for x in inputs]
         return measured_forward(self, *inputs)
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """For the training loop of zl.DDP; here every micro-batch STILL communicates.
+
+        Inside it, each backward's unit gradients are reduce-scattered as usual and added to
+        this rank's gradient shards (what DeepSpeed's stage 3 does). Skipping the reduction
+        would mean keeping every unit's FULL gradient until the last micro-batch: Psi
+        gradients per rank, the very memory stage 3 shards away. And it would save little:
+        every micro-batch gathers each unit twice anyway (forward and backward), so the
+        reduce-scatter is only a third of its traffic. backward() may be called several
+        times before step(), inside no_sync or not: the shards accumulate either way.
+        """
+        yield
+
     def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward() (scaled in fp16); gradients are reduce-scattered unit by unit."""
+        """loss.backward() (scaled in fp16); gradients are reduce-scattered unit by unit.
+
+        Several backward() calls before step() accumulate (gradient accumulation)."""
         self._callback_started = False
         self.last_backward = {"start": self.comm.now()}
         self.precision.scale_loss(loss, step=self.steps).backward()
@@ -623,6 +694,7 @@ class ZeRO3:
     def zero_grad(self) -> None:
         for u in self.units:
             u.grad_shard = None
+            u.unused_positions = None
             if u.master is not None:
                 u.master.grad = None
 
