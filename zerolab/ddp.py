@@ -17,6 +17,12 @@ Two versions, so chapter 5 can compare them:
   them all. Buckets are always launched in index order, so every rank issues the same
   collectives in the same order and nothing can deadlock.
 
+  Two choices keep the work per step as small as PyTorch's C++ DDP: backward() divides the
+  LOSS by N (gloo has no average, and a scalar divide replaces a pass over every bucket;
+  the all-reduce's sum is then the mean), and zero_grad() sets every p.grad to None, so
+  the next backward copies each fresh gradient into its slot of the bucket once, instead
+  of zeroing the buckets and then adding into them.
+
 Each rank sends 2 (N-1)/N of the gradient bytes per step: the paper's "2 Psi".
 
 Every engine also takes mesh= (data parallelism over mesh.dp_group only, for a model that
@@ -341,7 +347,7 @@ class NaiveDDP:
             # fp32/bf16: nothing to unscale, and a non-finite gradient is an error. One sum per
             # tensor finds it (inf and nan propagate through a sum) at a fraction of the cost
             # of isfinite over every element.
-            if not all(bool(torch.isfinite(g.sum())) for g in grads):
+            if grads and not bool(torch.isfinite(torch.stack([g.sum() for g in grads]).sum())):
                 raise FloatingPointError(f"non-finite gradients in {self.precision.name} training")
             return True
         return self.precision.unscale_and_check(grads)
@@ -440,15 +446,25 @@ class DDP(NaiveDDP):
         self._tail = torch.zeros(last.padded_numel + len(self.buckets.params), dtype=last.grad.dtype,
                                  device=last.grad.device)
         last.bind_grads(out=self._tail[:last.padded_numel])
+        self._flats = [b.grad for b in self.buckets.buckets[:-1]] + [self._tail]   # what is all-reduced
+        self._tags = [f"bucket{b}" for b in range(len(self.buckets.buckets))]
         self.params = self.buckets.params     # same order as the masters
         if not mixed:
             self.masters = self.params
-        self._where = {id(p): bi for p, bi in self.buckets.where.items()}
+        # per parameter: (its bucket, its position k in self.params, its view of the bucket)
+        self._slot = {id(p): (b, k, self.buckets.buckets[b].grad_view(i))
+                      for k, (p, (b, i)) in enumerate((p, self.buckets.where[p]) for p in self.params)}
+        self._sizes = [len(b.params) for b in self.buckets.buckets]
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self._unused = set()    # positions of params no rank reached in the last backward
         self.last_backward = {}
-        self._detached = False  # True while some p.grad is not its bucket view
-        self._reached_early = set()  # ids of params reached by no_sync backwards of this step
+        self._new_step()
+        self.zero_grad()
+
+    def _new_step(self):
+        # reached[k]: did any backward of this step (no_sync micro-batches included) reach
+        # parameter k? Until it does, its bucket slot holds a stale value, not a gradient.
+        self._reached = [False] * len(self.params)
         self._reset_backward_state()
 
     def _stamp_finished(self):
@@ -460,7 +476,8 @@ class DDP(NaiveDDP):
             self._stamped += 1
 
     def _reset_backward_state(self):
-        self._ready = [set() for _ in self.buckets.buckets]   # ids of params whose grad is in
+        self._missing = list(self._sizes)   # per bucket: gradients this backward has not delivered
+        self._counted = set()        # ids of params delivered in this backward
         self._next = 0               # the next bucket to launch: always in index order
         self._handles = []
         self._stamped = 0            # handles before this index have their end time
@@ -468,40 +485,47 @@ class DDP(NaiveDDP):
 
     # -------------------------------------------------------------- the reduction
     def _on_grad_ready(self, p):
-        b, i = self._where[id(p)]
-        view = self.buckets.buckets[b].grad_view(i)
+        # The hot path: it runs once per parameter per backward, so it does as little as it can.
+        b, k, view = self._slot[id(p)]
         grad = p.grad
-        if grad is not view:  # p.grad was replaced (or set to None): back into the bucket
-            if grad.data_ptr() != view.data_ptr():
-                view.copy_(grad)
+        if grad is not view:
+            # The step's first gradient for p: autograd made a fresh tensor (zero_grad set
+            # p.grad to None). Copy it into the bucket, over last step's value, and make p.grad
+            # the view, so later micro-batches accumulate in the bucket directly.
+            view.copy_(grad)
             p.grad = view
+        self._reached[k] = True
         if not self._sync:
-            # no_sync: the gradient just accumulates in its bucket; remember that this step
-            # reached the parameter even if the last micro-batch does not
-            self._reached_early.add(id(p))
-            return
+            return                   # no_sync: the gradient just accumulates in its bucket
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
-        self._ready[b].add(id(p))
+        if id(p) not in self._counted:   # (a hook can fire twice, e.g. reentrant checkpointing)
+            self._counted.add(id(p))
+            self._missing[b] -= 1
         if self._stamped < len(self._handles):
             self._stamp_finished()
         if self.overlap:
-            while (self._next < len(self._ready)
-                   and len(self._ready[self._next]) == len(self.buckets.buckets[self._next].params)):
+            while self._next < len(self._missing) and self._missing[self._next] == 0:
                 self._launch(self._next)
 
     def _launch(self, b):
-        bucket = self.buckets.buckets[b]
-        buf = bucket.grad
-        if b == len(self.buckets.buckets) - 1:   # the last one carries the "reached" flags
-            buf = self._tail
-            buf[bucket.padded_numel:] = torch.tensor(
-                [float(id(p) in ready or id(p) in self._reached_early)
-                 for bk, ready in zip(self.buckets.buckets, self._ready) for p in bk.params], dtype=buf.dtype)
-        buf.div_(self.world_size)  # gloo has no AVG: divide, then sum
-        self._handles.append(self.comm.all_reduce(buf, async_op=True, tag=f"bucket{b}"))
+        bucket, buf = self.buckets.buckets[b], self._flats[b]
+        if self._missing[b]:
+            # some parameter of this bucket was not reached by this step on this rank: its
+            # slot still holds last step's value, and it contributes zeros
+            for p, k in zip(bucket.params, self._positions(b)):
+                if not self._reached[k]:
+                    self._slot[id(p)][2].zero_()
+        if b == len(self._flats) - 1:   # the last one carries the "reached" flags
+            buf[bucket.padded_numel:] = torch.tensor(self._reached, dtype=buf.dtype)
+        # the loss was divided by N in backward(): the SUM of the ranks' gradients is the mean
+        self._handles.append(self.comm.all_reduce(buf, async_op=True, tag=self._tags[b]))
         self._next = b + 1
+
+    def _positions(self, b) -> range:
+        start = sum(self._sizes[:b])
+        return range(start, start + self._sizes[b])
 
     def _finish_backward(self):
         self.last_backward["compute_end"] = self.comm.now()   # autograd has no work left
@@ -512,17 +536,27 @@ class DDP(NaiveDDP):
         for h in self._handles:
             h.wait()
         # A parameter no rank reached keeps no gradient (grad None), so the optimizer leaves
-        # it alone, exactly as in a single process.
-        reached = self._tail[self.buckets.buckets[-1].padded_numel:]
-        self._unused = set((reached == 0).nonzero().flatten().tolist())
-        self._reset_backward_state()
-        self._reached_early = set()
+        # it alone, exactly as in a single process; one reached on another rank only gets
+        # the averaged gradient in its bucket view.
+        self._unused = set()
+        if not all(self._reached):
+            reached = self._tail[self.buckets.buckets[-1].padded_numel:]   # summed over ranks
+            self._unused = set((reached == 0).nonzero().flatten().tolist())
+            for k, p in enumerate(self.params):
+                if not self._reached[k] and k not in self._unused:
+                    p.grad = self._slot[id(p)][2]
+        self._new_step()
         self._finished = True
         self.last_backward["end"] = self.comm.now()
-        if self._unused and not self.precision.policy.needs_master:
-            for i in self._unused:
-                self.params[i].grad = None
-            self._detached = True
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward() (scaled in fp16), then average the gradients over ranks.
+
+        The loss is divided by N first: every rank's gradients come out divided by N, and
+        the all-reduce's sum is their mean (gloo has no average). One multiply of a scalar
+        instead of a pass over every gradient bucket.
+        """
+        super().backward(loss / self.world_size if self.world_size > 1 else loss)
 
     def _backward(self, loss):
         # times on the ledger's clock, for timelines: backward start, end of autograd's
@@ -557,12 +591,12 @@ class DDP(NaiveDDP):
         self._master_grad_flats = None
 
     def zero_grad(self) -> None:
+        """Gradients to None (PyTorch's set_to_none): the buckets keep their memory, and the
+        next backward copies each first gradient into its slot instead of adding to zeros."""
         self._unused = set()
-        self._reached_early = set()
-        self.buckets.zero_grads()
-        if self._detached:  # some p.grad was set to None: point it back into its bucket
-            self.buckets.attach_grads()
-            self._detached = False
+        for p in self.params:
+            p.grad = None
+        self._new_step()
         self._drop_master_grads()
         self._reduced = False
 
