@@ -317,6 +317,11 @@ def worker_precision():
         eng = ZeRO3(build("gpt", seed)[0], OPT, precision=precision)
         out[key] = train_gpt(eng, rank, n, micro=micro, sync=sync)
     out["overflow"] = overflow_run(rank)
+    out["events"] = {}
+    for pf in (0, 1):               # one step's lifecycle, for the prefetch schedule
+        eng = ZeRO3(build("gpt", seed)[0], OPT, prefetch=pf)
+        train_gpt(eng, rank, n, steps=1)
+        out["events"][pf] = [(e.unit, e.state, e.phase) for e in eng.events]
     return out
 
 
@@ -376,6 +381,18 @@ def test_gradient_accumulation_matches_one_big_batch(key):
     """Two micro-batches per rank before step() == one process on all four micro-batches;
     no_sync() changes nothing (ZeRO-3 reduces every micro-batch, see ZeRO3.no_sync)."""
     check_case(key)
+
+
+def test_prefetch_issues_the_next_unit_before_waiting_in_forward_and_backward():
+    """GPT nano: forward runs root, blocks.0, blocks.1; backward needs root, blocks.1, blocks.0."""
+    for out in precision_results():
+        for pf, events in out["events"].items():
+            at = {ev: i for i, ev in reversed(list(enumerate(events)))}   # first occurrence
+            ahead = {                # was the next unit's gather issued before this unit ran?
+                "forward": at["blocks.0", "gathering", "forward"] < at["root", "in_use", "forward"],
+                "backward root": at["blocks.1", "gathering", "backward"] < at["root", "in_use", "backward"],
+                "backward": at["blocks.0", "gathering", "backward"] < at["blocks.1", "in_use", "backward"]}
+            assert all(ahead.values()) if pf == 1 else not any(ahead.values()), (pf, ahead)
 
 
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():

@@ -238,6 +238,7 @@ class ZeRO3:
         self.max_grad_norm, self.track_peak = max_grad_norm, track_peak
         self.steps, self.last_peak, self.last_grad_norm = 0, 0, None
         self.events: list = []
+        self.gather_wait_s = 0.0        # seconds spent blocked waiting for all-gathers (what prefetch hides)
         self._fwd_order: list = []      # units in the order the last forward ran them
         self._cur_order: list = []      # units in the order their forwards began ...
         self._done_order: list = []     # ... and ended (this forward)
@@ -365,8 +366,10 @@ class ZeRO3:
         if not u.handles and u.full:
             self._gather(u, phase)
             return
+        t0 = self.comm.now()
         for h in u.handles.values():
             h.wait()
+        self.gather_wait_s += self.comm.now() - t0     # compute stood still this long
         u.handles = {}
         u.gathered = True
         self._event(u, "gathered", phase)

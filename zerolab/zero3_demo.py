@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+import time
 from functools import partial
 
 import torch
@@ -9,7 +11,7 @@ import torch.distributed as dist
 
 import zerolab as zl
 from zerolab.data import CharDataset
-from zerolab.memory import saved_activation_bytes
+from zerolab.memory import AllocationTracker, saved_activation_bytes
 from zerolab.models import GPT, gpt_config, gpt_loss
 from zerolab.single import SingleProcess
 from zerolab.zero3 import ZeRO3, gpt_init, measure_peak
@@ -33,7 +35,7 @@ def zero3_run(size="nano", prefetches=(1,), steps=3):
     data = CharDataset(gpt_config(size).block_size)
     out = {}
     for pf in prefetches:
-        eng = ZeRO3(_model(size), OPT, prefetch=pf, track_peak=False)
+        eng = ZeRO3(_model(size), OPT, prefetch=pf)   # track_peak: step() measures its own peak
         for s in range(steps):
             last = s == steps - 1
             if last:
@@ -41,14 +43,16 @@ def zero3_run(size="nano", prefetches=(1,), steps=3):
                 eng.events.clear()
                 t0 = eng.comm.now()
             batch = data.batch(s, B, rank, n)
+            # the whole iteration's peak; no saved-tensor hooks in here (they keep activations
+            # alive longer than a plain backward does): activations come from activation_terms
             with measure_peak("cpu") as pk:
-                (_, loss), act = saved_activation_bytes(gpt_loss, eng, batch)
-                eng.backward(loss)
+                eng.backward(gpt_loss(eng, batch)[1])
                 eng.step()
             if not last:
                 eng.zero_grad()
+        rep = eng.memory_report()
         out[pf] = {"events": [tuple(e) for e in eng.events], "records": _records(eng.comm), "t0": t0,
-                   "memory": eng.memory_report(), "peak": pk.peak, "activations": act,
+                   "memory": rep, "peak": pk.peak, "step_peak": rep["peak"],
                    "bytes": eng.comm.bytes("all_gather") + eng.comm.bytes("reduce_scatter"),
                    "state": eng.full_state_dict()}
     out["psi"] = eng.num_params
@@ -87,3 +91,60 @@ def construction(size="small"):
     return {"plain": plain.peak, "meta": meta.peak, "psi": b.num_params,
             "largest": max(b.unit_sizes().values()), "after": b.memory_report()["params"],
             "same_psi": a.num_params == b.num_params}
+
+
+def activation_terms(size="nano"):
+    """A plain GPT (no ZeRO) on one rank's batch of B rows, measured on its own:
+
+    activations   bytes autograd saves in forward (saved_activation_bytes, parameters excluded)
+    backward      the most bytes its backward allocates at once (AllocationTracker): activation
+                  gradients, temporaries, and each parameter's fresh gradient before it is
+                  added to .grad (which already exists, as ZeRO-3's flat gradient does)
+    """
+    model = _model(size)
+    batch = CharDataset(gpt_config(size).block_size).batch(0, B)
+    gpt_loss(model, batch)[1].backward()
+    (_, loss), act = saved_activation_bytes(gpt_loss, model, batch, exclude=list(model.parameters()))
+    with AllocationTracker() as tr:
+        loss.backward()
+    return {"activations": act, "backward": tr.peak}
+
+
+def unit_bytes(size, n):
+    """fp32 bytes of the root unit and of each block, from the model's parameter counts
+    (each padded up to a multiple of n, as the flat buffers are)."""
+    model = _model(size)
+    pad = lambda k: -(-k // n) * n     # noqa: E731
+    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    root = sum(p.numel() for p in model.parameters()) - sum(blocks)
+    return {"root": 4 * pad(root), "blocks": sorted((4 * pad(b) for b in blocks), reverse=True)}
+
+
+def prefetch_timing(size="small", steps=16, batch=8, warmup=2):
+    """Step time with prefetch=0 and prefetch=1, interleaved step by step in the same processes.
+
+    Both engines train the same model on the same batches; before each step the ranks meet at
+    a barrier, and a step's time is the slowest rank's. The order alternates every step, so a
+    slow moment of the machine hits both alike. Also returns the seconds each step spent
+    blocked waiting for all-gathers (ZeRO3.gather_wait_s), the part prefetch can hide.
+    """
+    rank, n = dist.get_rank(), dist.get_world_size()
+    data = CharDataset(gpt_config(size).block_size)
+    engines = {pf: ZeRO3(_model(size), OPT, prefetch=pf, track_peak=False) for pf in (0, 1)}
+    times, waits = {0: [], 1: []}, {0: [], 1: []}
+    for s in range(warmup + steps):
+        b = data.batch(s, batch, rank, n)
+        for pf in ((0, 1) if s % 2 == 0 else (1, 0)):
+            eng = engines[pf]
+            dist.barrier()
+            w0, t0 = eng.gather_wait_s, time.perf_counter()
+            eng.backward(gpt_loss(eng, b)[1])
+            eng.step()
+            eng.zero_grad()
+            t = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if s >= warmup:
+                times[pf].append(t.item())
+                waits[pf].append(eng.gather_wait_s - w0)
+    return {"times": times, "waits": waits, "median_ratio": statistics.median(
+        a / b for a, b in zip(times[1], times[0]))}
