@@ -16,7 +16,9 @@ Engines, all fp32 with AdamW on the same model, data and processes:
 
 DeepSpeed runs only when it is installed and can start on this machine; otherwise the table
 says why. Every rank builds every engine from the same seed and runs them in turn step by step,
-rotating the order (interleaved, so a slow moment of the machine hits them all alike).
+in a new shuffled order each step (interleaved, so a slow moment of the machine hits them all
+alike; shuffled, not rotated, so no engine always runs right after the same other one and
+inherits, say, the allocator state it left behind).
 
 What each column measures:
   step time    median over timed steps of the slowest rank's time for one step
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import time
 from functools import partial
@@ -230,7 +233,7 @@ def measure_memory(make, data, batch, warmup=2):
 
 
 def bench_worker(size, batch, bucket_mb, warmup, steps, deepspeed=True, kinds=KINDS, memory=True):
-    """All engines in the same processes, one step each in turn, the order rotating by step."""
+    """All engines in the same processes, one step each in turn, in a new shuffled order each step."""
     rank, n = dist.get_rank(), dist.get_world_size()
     data = CharDataset(gpt_config(size).block_size)
     runners, note = build_runners(size, batch, bucket_mb, deepspeed=deepspeed, kinds=kinds)
@@ -238,8 +241,8 @@ def bench_worker(size, batch, bucket_mb, warmup, steps, deepspeed=True, kinds=KI
     losses = {}
     for i in range(warmup + steps):
         b = data.batch(i, batch, rank, n)
-        k = i % len(runners)
-        for r in runners[k:] + runners[:k]:
+        # the same order on every rank (seeded by the step), a different one each step
+        for r in random.Random(i).sample(runners, len(runners)):
             dist.barrier()   # start together: a step lasts until its slowest rank is done
             t = time.perf_counter()
             losses[r.name] = r.step(b)

@@ -38,7 +38,8 @@ DDP-only details, so sharing them would couple the two engines' internals).
 
 Choices, stated:
 
-* Gloo has no AVG: each bucket is divided by N, then summed.
+* Gloo has no AVG: backward() divides the loss by N, so the reduce-scatter's sum of the
+  ranks' gradients is their mean (as zl.DDP does; no pass over the buckets to divide them).
 * Stage 1 reduce-scatters after backward (the issue's "after backward"); stage 2 overlaps.
 * Gradients are communicated in the compute dtype (bf16/fp16 in mixed precision). The owned
   gradient slice (stage 2) is kept in that dtype too, the paper's 2 Psi / N. When several
@@ -265,7 +266,7 @@ class ZeRO(NaiveDDP):
         else:
             buf = self._buffer(b)
             flat = buf[:bucket.padded_numel]
-        flat.div_(self.world_size)  # gloo has no AVG: divide, then sum
+        # (no division here: backward() divided the loss by N, so the sum is the mean)
         size = bucket.padded_numel // self.world_size
         if self.stage == 2 and not self._filled[b]:
             # straight into the owned slice, allocated now (the collective fills all of it)
@@ -320,6 +321,12 @@ class ZeRO(NaiveDDP):
         self._unused_so_far = set(self._unused)
         if self.grad_trace is not None:
             self.grad_trace.append((self.comm.now(), self._grad_bytes_now()))
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), reducing each bucket as it fills. The loss is divided by N first
+        (gloo has no average): the reduce-scatter's sum is then the mean, and no pass over
+        the gradient buckets is spent dividing them."""
+        super().backward(loss / self.world_size if self.world_size > 1 else loss)
 
     def _backward(self, loss):
         self.last_backward = {"start": self.comm.now(), "compute_end": None, "end": None}
