@@ -206,6 +206,20 @@ def worker_features():
     except RuntimeError as e:
         out["twice"] = str(e)
 
+    # fp32: an inf in ONE rank's loss makes every rank's averaged gradient non-finite: each raises,
+    # before the optimizer touches anything (no hang, no half-applied step)
+    model, data, loss_fn, B = build("awkward", 0)
+    eng = zl.DDP(model, OPT)
+    before = eng.full_state_dict()
+    loss = loss_fn(eng, data.batch(0, B, rank, n))[1]
+    eng.backward(loss * float("inf") if rank == 0 else loss)
+    try:
+        eng.step()
+        out["nonfinite"] = None
+    except FloatingPointError as e:
+        out["nonfinite"] = str(e)
+    out["nonfinite_same"] = all(torch.equal(before[k], v) for k, v in eng.full_state_dict().items())
+
     # ranks whose models differ in shape: detected at construction, naming the parameter
     torch.manual_seed(0)
     odd = AwkwardModel(d_hidden=7 if rank == 0 else 8)
@@ -243,6 +257,7 @@ def test_accumulation_overlap_overflow_and_errors():
         assert r["overflow_applied"] is False and r["overflow_same"] and r["scale"] == 2.0**15
         assert r["twice"] is not None and "backward() called twice" in r["twice"]
         assert r["mismatch"] is not None and "encoder.weight" in r["mismatch"]
+        assert r["nonfinite"] is not None and "non-finite gradients" in r["nonfinite"] and r["nonfinite_same"]
 
 
 class Branchy(torch.nn.Module):

@@ -533,8 +533,12 @@ class DDP(NaiveDDP):
         # now, in order. Their missing gradients are zeros (or what no_sync accumulated).
         while self._next < len(self.buckets.buckets):
             self._launch(self._next)
-        for h in self._handles:
+        # While the last all-reduces are still in flight, sum each finished bucket: the step's
+        # finite check (fp32/bf16) then costs no pass of its own, and this rank idles anyway
+        self._bucket_sums = []
+        for b, h in enumerate(self._handles):
             h.wait()
+            self._bucket_sums.append(self.buckets.buckets[b].grad.sum())
         # A parameter no rank reached keeps no gradient (grad None), so the optimizer leaves
         # it alone, exactly as in a single process; one reached on another rank only gets
         # the averaged gradient in its bucket view.
@@ -575,6 +579,15 @@ class DDP(NaiveDDP):
         for i, (m, g) in enumerate(zip(self.masters, views)):
             m.grad = None if i in self._unused else g
 
+    def _unscale_and_check(self, grads) -> bool:
+        if self.precision.scaler is None and self._bucket_sums:
+            # fp32/bf16: the bucket sums taken while backward waited (inf and nan propagate
+            # through a sum, so a non-finite sum means a non-finite gradient)
+            if not bool(torch.isfinite(torch.stack(self._bucket_sums).sum())):
+                raise FloatingPointError(f"non-finite gradients in {self.precision.name} training")
+            return True
+        return super()._unscale_and_check(grads)
+
     def _step_grads(self) -> list:
         # whole flat buffers: one isfinite / scale / norm per bucket instead of per parameter
         # (their padding and unused slots are zeros, which change neither check nor norm)
@@ -589,6 +602,7 @@ class DDP(NaiveDDP):
     def _drop_master_grads(self):
         super()._drop_master_grads()
         self._master_grad_flats = None
+        self._bucket_sums = None
 
     def zero_grad(self) -> None:
         """Gradients to None (PyTorch's set_to_none): the buckets keep their memory, and the
