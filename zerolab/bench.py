@@ -267,6 +267,9 @@ def bench_worker(size, batch, bucket_mb, warmup, steps, deepspeed=True, kinds=KI
     if memory:
         factories = dict(engine_factories(size, batch, bucket_mb, deepspeed=deepspeed, kinds=kinds)[0])
         for name, _, _ in rows:
+            # measured on a second build: the first in this trace may pay one-off lazy set-up
+            # (op and dispatch caches, first-time shapes) that is the process's, not the engine's
+            measure_memory(factories[name], data, batch)
             held[name], peak[name] = measure_memory(factories[name], data, batch)
     dist.barrier()
     params = sum(p.numel() for p in GPT(gpt_config(size)).parameters())
