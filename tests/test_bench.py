@@ -57,10 +57,12 @@ def test_bad_arguments_are_refused_before_any_process_starts():
 def test_memory_columns_order_the_engines_as_the_paper_does(summary):
     # Between steps (fp32 AdamW): a single process holds params + 2 moments (12 psi bytes;
     # gradients set to None), zl.DDP also its flat gradient buckets (16 psi), ZeRO-1 shards
-    # the moments and frees gradients between steps (8 psi at N=2), ZeRO-3 shards everything
-    # (6 psi). malloc also counts ~100 kB of Python objects and gloo scratch per engine, so on
-    # the nano model only the order is asserted; zerolab.memory's tests check exact sizes.
+    # the moments and frees gradients between steps (8 psi at N=2). malloc also counts ~100 kB
+    # of Python objects and gloo scratch per engine, so on the nano model only the order is
+    # asserted; zerolab.memory's tests check exact sizes.
     held = {r["engine"]: r["held"] for r in summary["rows"]}
-    assert held["zl.ZeRO-3"] < held["zl.ZeRO-1"] < held["single process"] < held["zl.DDP"]
+    # the steps of 4 psi bytes (130 kB on nano) stand well above malloc's noise; ZeRO-3's 2 psi
+    # below ZeRO-1 does not, so it is not asserted here
+    assert held["zl.ZeRO-1"] < held["single process"] < held["zl.DDP"]
     for r in summary["rows"]:
         assert r["peak"] >= r["held"] > 0, r["engine"]
