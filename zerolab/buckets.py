@@ -79,6 +79,10 @@ class Bucket:
         for view, p in zip(self._grad_views, self.params):
             p.grad = view
 
+    def release_grads(self) -> None:
+        """Free the flat gradient buffer (bind_grads allocates a new one); p.grad is untouched."""
+        self.grad, self._grad_views = None, []
+
     def grad_view(self, position: int) -> torch.Tensor:
         return self._grad_views[position]
 
@@ -146,6 +150,10 @@ class FlatBuckets:
     def attach_grads(self) -> None:
         for b in self.buckets:
             b.attach_grads()
+
+    def release_grads(self) -> None:
+        for b in self.buckets:
+            b.release_grads()
 
     def zero_grads(self) -> None:
         for b in self.buckets:

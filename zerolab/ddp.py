@@ -256,8 +256,7 @@ class NaiveDDP:
                 continue
             if p.grad is None:  # reached on another rank only: this rank contributes zeros
                 p.grad = torch.zeros_like(p)
-            p.grad.div_(self.world_size)  # gloo has no AVG: divide, then sum
-            self.comm.all_reduce(p.grad, tag="grad")
+            self.comm.all_reduce(p.grad, tag="grad")   # a sum of grads/N: the mean
 
     def _grads_to_masters(self):
         for p, m in zip(self.params, self.masters):
@@ -287,13 +286,20 @@ class NaiveDDP:
             self._sync = True
 
     def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward() (scaled in fp16), then average the gradients over ranks."""
+        """loss.backward() (scaled in fp16), then average the gradients over ranks.
+
+        The loss is divided by N first (gloo has no average): every rank's gradients come
+        out divided by N, so the sum the collectives compute is the mean. One divide of a
+        scalar instead of a pass over every gradient (exact when N is a power of 2).
+        """
         if self._reduced:
             raise RuntimeError(
                 "backward() called twice without step() or zero_grad() in between: the "
                 "gradients of the first backward were already averaged over ranks. To "
                 "accumulate over micro-batches, run all but the last backward inside "
                 "`with engine.no_sync():`.")
+        if self.world_size > 1:
+            loss = loss / self.world_size
         self._backward(self.precision.scale_loss(loss, step=self.steps))
         if self._sync:
             self._reduced = True
@@ -347,10 +353,14 @@ class NaiveDDP:
             # fp32/bf16: nothing to unscale, and a non-finite gradient is an error. One sum per
             # tensor finds it (inf and nan propagate through a sum) at a fraction of the cost
             # of isfinite over every element.
-            if grads and not bool(torch.isfinite(torch.stack([g.sum() for g in grads]).sum())):
+            sums = self._grad_sums(grads)
+            if sums and not bool(torch.isfinite(torch.stack(sums).sum())):
                 raise FloatingPointError(f"non-finite gradients in {self.precision.name} training")
             return True
         return self.precision.unscale_and_check(grads)
+
+    def _grad_sums(self, grads) -> list:
+        return [g.sum() for g in grads]
 
     def _step_grads(self) -> list:
         """The gradient tensors the step checks, unscales and clips."""
@@ -514,18 +524,15 @@ class DDP(NaiveDDP):
         if self._missing[b]:
             # some parameter of this bucket was not reached by this step on this rank: its
             # slot still holds last step's value, and it contributes zeros
-            for p, k in zip(bucket.params, self._positions(b)):
+            for p in bucket.params:
+                _, k, view = self._slot[id(p)]
                 if not self._reached[k]:
-                    self._slot[id(p)][2].zero_()
+                    view.zero_()
         if b == len(self._flats) - 1:   # the last one carries the "reached" flags
             buf[bucket.padded_numel:] = torch.tensor(self._reached, dtype=buf.dtype)
         # the loss was divided by N in backward(): the SUM of the ranks' gradients is the mean
         self._handles.append(self.comm.all_reduce(buf, async_op=True, tag=self._tags[b]))
         self._next = b + 1
-
-    def _positions(self, b) -> range:
-        start = sum(self._sizes[:b])
-        return range(start, start + self._sizes[b])
 
     def _finish_backward(self):
         self.last_backward["compute_end"] = self.comm.now()   # autograd has no work left
@@ -553,15 +560,6 @@ class DDP(NaiveDDP):
         self._finished = True
         self.last_backward["end"] = self.comm.now()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward() (scaled in fp16), then average the gradients over ranks.
-
-        The loss is divided by N first: every rank's gradients come out divided by N, and
-        the all-reduce's sum is their mean (gloo has no average). One multiply of a scalar
-        instead of a pass over every gradient bucket.
-        """
-        super().backward(loss / self.world_size if self.world_size > 1 else loss)
-
     def _backward(self, loss):
         # times on the ledger's clock, for timelines: backward start, end of autograd's
         # work, end of the last all-reduce wait
@@ -579,14 +577,9 @@ class DDP(NaiveDDP):
         for i, (m, g) in enumerate(zip(self.masters, views)):
             m.grad = None if i in self._unused else g
 
-    def _unscale_and_check(self, grads) -> bool:
-        if self.precision.scaler is None and self._bucket_sums:
-            # fp32/bf16: the bucket sums taken while backward waited (inf and nan propagate
-            # through a sum, so a non-finite sum means a non-finite gradient)
-            if not bool(torch.isfinite(torch.stack(self._bucket_sums).sum())):
-                raise FloatingPointError(f"non-finite gradients in {self.precision.name} training")
-            return True
-        return super()._unscale_and_check(grads)
+    def _grad_sums(self, grads) -> list:
+        # the bucket sums taken while backward waited for its last all-reduces
+        return self._bucket_sums or super()._grad_sums(grads)
 
     def _step_grads(self) -> list:
         # whole flat buffers: one isfinite / scale / norm per bucket instead of per parameter

@@ -38,8 +38,8 @@ DDP-only details, so sharing them would couple the two engines' internals).
 
 Choices, stated:
 
-* Gloo has no AVG: backward() divides the loss by N, so the reduce-scatter's sum of the
-  ranks' gradients is their mean (as zl.DDP does; no pass over the buckets to divide them).
+* Gloo has no AVG: backward() (NaiveDDP's, shared by every engine here) divides the loss by
+  N, so the reduce-scatter's sum of the ranks' gradients is their mean.
 * Stage 1 reduce-scatters after backward (the issue's "after backward"); stage 2 overlaps.
 * Gradients are communicated in the compute dtype (bf16/fp16 in mixed precision). The owned
   gradient slice (stage 2) is kept in that dtype too, the paper's 2 Psi / N. When several
@@ -210,8 +210,7 @@ class ZeRO(NaiveDDP):
 
     def _release_grads(self):
         if self.stage == 1:
-            for bucket in self.buckets.buckets:
-                bucket.grad, bucket._grad_views = None, []
+            self.buckets.release_grads()
         else:
             self.grad_shards = [None] * len(self.buckets.buckets)
         for p in self.params:
@@ -321,12 +320,6 @@ class ZeRO(NaiveDDP):
         self._unused_so_far = set(self._unused)
         if self.grad_trace is not None:
             self.grad_trace.append((self.comm.now(), self._grad_bytes_now()))
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward(), reducing each bucket as it fills. The loss is divided by N first
-        (gloo has no average): the reduce-scatter's sum is then the mean, and no pass over
-        the gradient buckets is spent dividing them."""
-        super().backward(loss / self.world_size if self.world_size > 1 else loss)
 
     def _backward(self, loss):
         self.last_backward = {"start": self.comm.now(), "compute_end": None, "end": None}
