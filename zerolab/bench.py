@@ -197,15 +197,19 @@ def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KIND
 def build_runners(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KINDS):
     """Every engine of the table, each on its own copy of the same initial model."""
     factories, note = engine_factories(size, batch, bucket_mb, lr, deepspeed, kinds)
-    try:
-        return [make() for _, make in factories], note
-    except Exception as e:
-        if not any(name.startswith("DeepSpeed") for name, _ in factories):
-            raise
-        # DeepSpeed installed but failing to start here: the table goes on without it
-        factories = [(name, make) for name, make in factories if not name.startswith("DeepSpeed")]
-        note = f"DeepSpeed: not run (initialize failed: {type(e).__name__}: {str(e).splitlines()[0][:80]})"
-        return [make() for _, make in factories], note
+    runners = []
+    for name, make in factories:
+        if name.startswith("DeepSpeed") and note.startswith("DeepSpeed: not run"):
+            continue
+        try:
+            runners.append(make())
+        except Exception as e:
+            if not name.startswith("DeepSpeed"):
+                raise
+            # DeepSpeed installed but failing to start here: the table goes on without it
+            runners = [r for r in runners if r.family != "DeepSpeed"]
+            note = f"DeepSpeed: not run (initialize failed: {type(e).__name__}: {str(e).splitlines()[0][:80]})"
+    return runners, note
 
 
 def measure_memory(make, data, batch, warmup=2):
