@@ -128,7 +128,12 @@ def _segments(engine):
         for b, bucket in enumerate(engine.buckets.buckets):
             opt += _flat_segments(engine.master_shards[b], bucket, engine.shards[b], names)
         return opt, frozen, False
-    # single, naive_ddp, ddp: one master per parameter, in engine.params order
+    if kind == "ddp":   # the optimizer updates one flat tensor per whole bucket
+        opt = []
+        for f, bucket in zip(engine.param_flats, engine.buckets.buckets):
+            opt += _flat_segments(f, bucket, slice(0, bucket.padded_numel), names)
+        return opt, frozen, True
+    # single, naive_ddp: one master per parameter, in engine.params order
     opt = [(m, 0, names[id(p)], 0, p.numel()) for p, m in zip(engine.params, engine.masters)]
     return opt, frozen, True
 

@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import torch
 
-from .buckets import FlatBuckets
+from .buckets import FlatBuckets, held_still, unreached_ranges
 from .ddp import NaiveDDP, _check_args
 from .memory import live_bytes, optimizer_tensors
 from .precision import check_precision, clip_grad_norm_
@@ -350,19 +350,6 @@ class ZeRO(NaiveDDP):
                 out.append(self.grad_shards[b])
         return out
 
-    def _unused_ranges(self):
-        """(bucket, lo, hi) slices of owned shards that belong to parameters no rank reached."""
-        ranges, k = [], 0
-        for b, bucket in enumerate(self.buckets.buckets):
-            s = self.shards[b]
-            for o, n in zip(bucket.offsets, bucket.sizes):
-                if k in self._unused:
-                    lo, hi = max(o, s.start), min(o + n, s.stop)
-                    if lo < hi:
-                        ranges.append((b, lo - s.start, hi - s.start))
-                k += 1
-        return ranges
-
     @torch.no_grad()
     def _step(self) -> bool:
         mixed = self.precision.policy.needs_master
@@ -377,9 +364,10 @@ class ZeRO(NaiveDDP):
         if self.max_grad_norm is not None:
             # each rank holds a disjoint slice: the squared norms are summed over ranks
             self.last_grad_norm = clip_grad_norm_(grads, self.max_grad_norm, self.comm)
-        saved = self._save_unused()
-        self.optimizer.step()
-        self._restore_unused(saved)
+        # parameters no rank reached must not move: a single process would skip them
+        with held_still(self.optimizer, self.master_shards,
+                        unreached_ranges(self.buckets, self._unused, self.shards)):
+            self.optimizer.step()
         for b, bucket in enumerate(self.buckets.buckets):
             mine = bucket.data[self.shards[b]]
             if mixed:
@@ -389,23 +377,6 @@ class ZeRO(NaiveDDP):
         self._drop_master_grads()
         self.precision.update(found_inf=False)
         return True
-
-    def _save_unused(self):
-        saved = []
-        for b, lo, hi in self._unused_ranges():
-            m = self.master_shards[b]
-            state = {k: v[lo:hi].clone() for k, v in self.optimizer.state.get(m, {}).items()
-                     if isinstance(v, torch.Tensor) and v.shape == m.shape}
-            saved.append((b, lo, hi, m[lo:hi].clone(), state))
-        return saved
-
-    def _restore_unused(self, saved):
-        for b, lo, hi, values, state in saved:
-            m = self.master_shards[b]
-            m[lo:hi] = values
-            for k, v in self.optimizer.state.get(m, {}).items():
-                if isinstance(v, torch.Tensor) and v.shape == m.shape:
-                    v[lo:hi] = state[k] if k in state else 0
 
     def _drop_master_grads(self):
         for m in self.master_shards:
