@@ -225,3 +225,37 @@ def timelines(modes=("naive", "bucketed", "overlapped"), size: str = "small", ba
 def bytes_and_memory(with_memory: bool = True):
     """bytes_per_step (fp32) and, optionally, duplicated_memory (bf16), in one launch."""
     return {"bytes": bytes_per_step(batch=1), "memory": duplicated_memory(batch=1) if with_memory else None}
+
+
+def optimizer_step_times(size: str = "small", bucket_mb: float = 1.0, steps: int = 30) -> dict:
+    """AdamW steps on a GPT's parameters one by one, and on the same numbers laid out in flat
+    buckets as zl.DDP lays them out. Median ms per step of each, and the largest difference
+    between the two results after `steps` steps (the same random gradients for both)."""
+    from .buckets import FlatBuckets, bucket_order
+    torch.manual_seed(0)
+    separate = GPT(gpt_config(size))
+    flat_model = GPT(gpt_config(size))
+    flat_model.load_state_dict(separate.state_dict())
+    fb = FlatBuckets(bucket_order(flat_model), bucket_mb * 2**20, world_size=1)
+    fb.bind_params()
+    fb.bind_grads()
+    params = list(separate.parameters())
+    flats = [b.data for b in fb.buckets]
+    opt_separate = torch.optim.AdamW(params, lr=1e-3)
+    opt_flat = torch.optim.AdamW(flats, lr=1e-3)
+    times = {"per_parameter": [], "flat": []}
+    for _ in range(steps):
+        for p, q in zip(params, flat_model.parameters()):
+            p.grad = torch.randn_like(p)
+            q.grad.copy_(p.grad)            # q.grad is q's view of its bucket's flat gradient
+        for f, b in zip(flats, fb.buckets):
+            f.grad = b.grad
+        t = time.perf_counter()
+        opt_separate.step()
+        times["per_parameter"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        opt_flat.step()
+        times["flat"].append(time.perf_counter() - t)
+    diff = max((p - q).abs().max().item() for p, q in zip(params, flat_model.parameters()))
+    return {"tensors": len(params), "buckets": len(flats), "max_abs_diff": diff,
+            **{k: statistics.median(v) * 1e3 for k, v in times.items()}}

@@ -16,7 +16,8 @@ all-reduce IS a reduce-scatter followed by an all-gather (chapter 4), so ZeRO sp
 Same bytes on the wire as DDP (2 (N-1)/N Psi per step), but the optimizer state (K Psi bytes,
 the biggest term) is divided by N. The layout comes from zerolab.buckets: each bucket is one
 flat buffer padded to a multiple of N, and rank r owns the contiguous slice bucket.shard(r), so
-both collectives move a whole bucket with no copies. The optimizer is any torch.optim optimizer,
+both collectives move a whole bucket with no copies. The optimizer is any elementwise
+torch.optim optimizer (SGD, Adam, AdamW...; see zerolab.ddp for what a flat tensor rules out),
 built on one flat fp32 tensor per bucket (the owned slice): it cannot tell it is sharded.
 
 * Stage 1 (P_os): gradients land in full flat buffers, exactly as in DDP. After backward, each
