@@ -71,6 +71,12 @@ CASES = [
     pytest.param(*("DDP built optimizer", lambda m, d: zl.DDP(m, torch.optim.SGD(m.parameters(), lr=0.1)), TypeError,
      "optimizer must be a factory")),
     pytest.param(*("DDP optimizer int", lambda m, d: zl.DDP(m, 3), TypeError, "optimizer must be a callable")),
+    ("DDP Adafactor", lambda m, d: zl.DDP(m, functools.partial(torch.optim.Adafactor, lr=1e-2)), TypeError,
+     "Adafactor updates each element from its whole tensor"),
+    ("ZeRO-2 Adafactor class", lambda m, d: zl.ZeRO(m, torch.optim.Adafactor, stage=2), TypeError,
+     "zl.ZeRO runs the optimizer on flat buffers"),
+    ("ZeRO-3 Adafactor", lambda m, d: zl.ZeRO(m, functools.partial(torch.optim.Adafactor), stage=3), TypeError,
+     "Use an elementwise optimizer"),
     ("DDP bucket_mb 0", lambda m, d: zl.DDP(m, ADAM, bucket_mb=0), ValueError, "bucket_mb must be a number > 0"),
     ("DDP bucket_mb -1", lambda m, d: zl.DDP(m, ADAM, bucket_mb=-1), ValueError, "bucket_mb"),
     ("DDP bucket_mb nan", lambda m, d: zl.DDP(m, ADAM, bucket_mb=float("nan")), ValueError, "bucket_mb"),
@@ -212,3 +218,13 @@ def test_cli_refuses_bad_arguments(argv, code, words, capsys, tmp_path, monkeypa
 def test_the_table_is_large():
     # the report quotes this number
     assert len(CASES) + len(CLI_CASES) >= 80
+
+
+def test_a_whole_tensor_optimizer_is_refused_by_flat_engines_only():
+    """A factory that hides its class (a lambda) is caught once it has built the optimizer;
+    the engines that step parameter by parameter accept the same optimizer."""
+    adafactor = lambda ps: torch.optim.Adafactor(ps, lr=1e-2)  # noqa: E731 - the point of the case
+    with pytest.raises(TypeError, match="zl.DDP runs the optimizer on flat buffers"):
+        zl.DDP(_model(), adafactor)
+    for engine in (zl.NaiveDDP, zl.SingleProcess):
+        assert isinstance(engine(_model(), adafactor).optimizer, torch.optim.Adafactor)

@@ -29,9 +29,10 @@ Two versions, so chapter 5 can compare them:
     more than halve the optimizer's time. Any elementwise torch.optim optimizer computes
     the same numbers as on the parameters one by one (zerolab.buckets). What it cannot do:
     per-parameter param groups (the factory sees flat tensors), optimizers that look at a
-    whole tensor (LAMB's trust ratio, Adafactor), and a step counter per parameter: for a
-    parameter that only SOME steps reach, Adam's bias correction is the bucket's. (One that
-    no rank reached is held still, as a single process would skip it.)
+    whole tensor (LAMB's trust ratio; torch.optim's Adafactor and Muon are refused with an
+    error, zerolab.single), and a step counter per parameter: for a parameter that only
+    SOME steps reach, Adam's bias correction is the bucket's. (One that no rank reached is
+    held still, as a single process would skip it.)
 
 Each rank sends 2 (N-1)/N of the gradient bytes per step: the paper's "2 Psi".
 
@@ -209,12 +210,14 @@ def measured_forward(engine, *inputs):
 class NaiveDDP:
     """Data parallelism the obvious way: after backward, all-reduce each gradient, one by one."""
 
+    flat_optimizer = None   # the optimizer steps parameter by parameter (DDP, ZeRO: flat buffers)
+
     def __init__(self, model: torch.nn.Module, optimizer, *, precision="fp32", max_grad_norm=None,
                  scaler=None, track_peak: bool = True, mesh=None, checkpoint_activations=False,
                  partition_activations=False, offload_activations=False,
                  track_activations=None):
         _check_args(model, 1.0, max_grad_norm)
-        check_optimizer_factory(optimizer, precision)   # before the model is touched
+        check_optimizer_factory(optimizer, precision, self.flat_optimizer)   # before the model is touched
         check_residual_options(model, mesh, precision=precision, max_grad_norm=max_grad_norm,
                                checkpoint_activations=checkpoint_activations,
                                partition_activations=partition_activations,
@@ -245,7 +248,7 @@ class NaiveDDP:
 
         self.params = bucket_order(model)
         self._setup_storage()
-        self.optimizer = build_optimizer(optimizer, self._optimized_tensors(), precision)
+        self.optimizer = build_optimizer(optimizer, self._optimized_tensors(), precision, self.flat_optimizer)
 
     # -------------------------------------------------------------- layout (DDP overrides)
     def _setup_storage(self):
@@ -434,6 +437,8 @@ class DDP(NaiveDDP):
     overlap=False keeps the buckets but launches them all at the end of backward (chapter 5
     uses it to show what overlap buys).
     """
+
+    flat_optimizer = "zl.DDP"   # the optimizer steps on one flat tensor per bucket
 
     def __init__(self, model: torch.nn.Module, optimizer, *, precision="fp32", bucket_mb=25.0,
                  max_grad_norm=None, scaler=None, track_peak: bool = True, overlap: bool = True,

@@ -22,8 +22,31 @@ from .memory import PeakMemory, live_bytes, optimizer_tensors
 from .precision import MixedPrecision, clip_grad_norm_
 
 
-def check_optimizer_factory(optimizer, precision: str) -> None:
-    """Refuse anything but a factory, before an engine touches the model."""
+# Optimizers whose update of an element depends on the rest of its tensor (Adafactor's
+# factored moments and relative step size, Muon's orthogonalized matrices). On one flat
+# tensor per bucket they would compute something else than on the parameters one by one.
+WHOLE_TENSOR_OPTIMIZERS = tuple(getattr(torch.optim, n) for n in ("Adafactor", "Muon") if hasattr(torch.optim, n))
+
+
+def _check_elementwise(optimizer, flat_engine: str) -> None:
+    kind = optimizer if isinstance(optimizer, type) else (
+        type(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else getattr(optimizer, "func", None))
+    if isinstance(kind, type) and issubclass(kind, WHOLE_TENSOR_OPTIMIZERS):
+        raise TypeError(
+            f"{flat_engine} runs the optimizer on flat buffers (one tensor per bucket), but "
+            f"{kind.__name__} updates each element from its whole tensor (norms, matrix shape), so it "
+            "would compute something else than on the parameters one by one. Use an elementwise "
+            "optimizer (SGD, Adam, AdamW, ...), or zl.NaiveDDP / zl.SingleProcess, which step "
+            "parameter by parameter.")
+
+
+def check_optimizer_factory(optimizer, precision: str, flat_engine: str | None = None) -> None:
+    """Refuse anything but a factory, before an engine touches the model.
+
+    flat_engine: the engine's name if it steps the optimizer on flat buffers; then optimizers
+    that are not elementwise are refused too (when the factory shows its class: the class
+    itself, or a functools.partial of it; build_optimizer checks what any factory built).
+    """
     if isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be a factory (a callable params -> torch.optim.Optimizer), not an "
@@ -33,14 +56,18 @@ def check_optimizer_factory(optimizer, precision: str) -> None:
     if not callable(optimizer):
         raise TypeError(f"optimizer must be a callable params -> torch.optim.Optimizer, "
                         f"e.g. functools.partial(torch.optim.AdamW, lr=3e-4); got {optimizer!r}")
+    if flat_engine is not None:
+        _check_elementwise(optimizer, flat_engine)
 
 
-def build_optimizer(optimizer, params, precision: str) -> torch.optim.Optimizer:
+def build_optimizer(optimizer, params, precision: str, flat_engine: str | None = None) -> torch.optim.Optimizer:
     """Call an optimizer factory on `params`, refusing an already-built optimizer."""
-    check_optimizer_factory(optimizer, precision)
+    check_optimizer_factory(optimizer, precision, flat_engine)
     opt = optimizer(params)
     if not isinstance(opt, torch.optim.Optimizer):
         raise TypeError(f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
+    if flat_engine is not None:
+        _check_elementwise(opt, flat_engine)
     return opt
 
 

@@ -91,6 +91,8 @@ def _check_stage(stage):
 class ZeRO(NaiveDDP):
     """ZeRO-1 and ZeRO-2 on flat padded buckets. ZeRO(..., stage=3) builds a zerolab.zero3.ZeRO3."""
 
+    flat_optimizer = "zl.ZeRO"   # the optimizer steps on one flat slice per bucket
+
     def __new__(cls, model=None, optimizer=None, *, stage=None, **kwargs):
         _check_stage(stage)
         if stage == 3 and cls is ZeRO:

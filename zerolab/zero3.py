@@ -217,7 +217,7 @@ class ZeRO3:
             raise ValueError("the model is on the meta device: pass init_fn(name, module) to "
                              "initialise its parameters unit by unit")
         _check_args(model, bucket_mb, max_grad_norm)
-        check_optimizer_factory(optimizer, precision)   # before the model is touched
+        check_optimizer_factory(optimizer, precision, "zl.ZeRO(stage=3)")   # before the model is touched
         check_residual_options(model, mesh, precision=precision, max_grad_norm=max_grad_norm,
                                checkpoint_activations=checkpoint_activations,
                                partition_activations=partition_activations,
@@ -255,7 +255,7 @@ class ZeRO3:
         self._build_units(found, init_fn)
         # the optimizer updates one fp32 shard per unit, as if each were a normal parameter
         self.masters = [u.master for u in self.units if u.master is not None]
-        self.optimizer = build_optimizer(optimizer, self.masters, precision)
+        self.optimizer = build_optimizer(optimizer, self.masters, precision, "zl.ZeRO(stage=3)")
         self._install_hooks()
         self.comm.reset()               # setup traffic is not a training step's traffic
 
