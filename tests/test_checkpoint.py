@@ -254,3 +254,29 @@ def test_a_second_save_replaces_the_first_and_leaves_one_set_of_shards(saved_sin
     fresh = build("awk", "single", "fp32", seed=3)
     checkpoint.load(fresh, path)
     assert fresh.steps == 4
+
+
+def checkpoint_on_a_tensor_parallel_mesh(path):
+    from zerolab.mesh import Mesh
+    from zerolab.tensor_parallel import TensorParallelGPT
+    mesh = Mesh(dp=1, mp=2)
+    torch.manual_seed(0)
+    model = TensorParallelGPT.from_dense(models.GPT(models.gpt_config("nano", n_head=4)), mesh)
+    engine = zl.DDP(model, functools.partial(torch.optim.AdamW, lr=1e-2), mesh=mesh)
+    errors = []
+    for call in (lambda: checkpoint.save(engine, path), lambda: checkpoint.load(engine, path)):
+        try:
+            call()
+        except checkpoint.CheckpointError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_a_tensor_parallel_mesh_is_refused_before_anything_is_written(tmp_path):
+    # the two mp ranks share dp rank 0: without the check, both would write the same file name
+    out = zl.launch(checkpoint_on_a_tensor_parallel_mesh, 2, args=(str(tmp_path / "ck"),))
+    for errors in out:
+        assert len(errors) == 2
+        assert "checkpoint.save: the engine runs on a Mesh with mp=2" in errors[0]
+        assert "checkpoint.load" in errors[1]
+    assert not (tmp_path / "ck").exists()

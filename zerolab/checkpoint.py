@@ -206,6 +206,17 @@ def _agree(engine, value: int, op: str) -> int:
     return int(t.item())
 
 
+def _check_no_model_parallelism(engine, action):
+    # Under a Mesh with mp > 1 the mp ranks hold DIFFERENT shards of each tensor-parallel
+    # weight under the same name and the same dp rank: their files and pieces would collide.
+    mesh = getattr(engine, "mesh", None)
+    if mesh is not None and mesh.mp > 1:
+        raise CheckpointError(f"checkpoint.{action}: the engine runs on a Mesh with mp={mesh.mp}; "
+                              "checkpoints of tensor-parallel models are not supported (each mp rank "
+                              "holds different shards under the same parameter names). Save "
+                              "engine.full_state_dict() per mp rank yourself, or train with mp=1.")
+
+
 def _check_path(path, what="path"):
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"checkpoint: {what} must be a str or os.PathLike directory, got {type(path).__name__}")
@@ -220,6 +231,7 @@ def save(engine, path, extra: dict | None = None) -> str:
     """
     path = _check_path(path)
     kind = _kind(engine)
+    _check_no_model_parallelism(engine, "save")
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"checkpoint.save: extra must be a dict or None, got {type(extra).__name__}")
     if kind == "single" and _dist_rank(engine) != 0:
@@ -431,6 +443,7 @@ def load(engine, path) -> dict:
     """
     path = _check_path(path)
     kind = _kind(engine)
+    _check_no_model_parallelism(engine, "load")
     rank, size = _rank_size(engine)
     # read and check everything before changing anything
     reader = _Reader(path)
