@@ -571,9 +571,9 @@ class DDP(NaiveDDP):
         for b, h in enumerate(self._handles):
             h.wait()
             self._bucket_sums.append(self.buckets.buckets[b].grad.sum())
-        # A parameter no rank reached keeps no gradient (grad None), so the optimizer leaves
-        # it alone, exactly as in a single process; one reached on another rank only gets
-        # the averaged gradient in its bucket view.
+        # A parameter no rank reached keeps no gradient (grad None), as in a single process,
+        # and the step holds it still (_optimizer_step); one reached on another rank only
+        # gets the averaged gradient in its bucket view.
         self._unused = set()
         if not all(self._reached):
             reached = self._tail[self.buckets.buckets[-1].padded_numel:]   # summed over ranks
