@@ -93,9 +93,9 @@ def ring_bytes_measured(numel: int):
 # ------------------------------------------------------------------ chapter 5
 
 
-def _gpt(size, seed=0):
+def _gpt(size, seed=0, bias=True):
     torch.manual_seed(seed)
-    model = GPT(gpt_config(size))
+    model = GPT(gpt_config(size, bias=bias))
     return model, CharDataset(model.cfg.block_size)
 
 
@@ -190,7 +190,9 @@ def duplicated_memory(size: str = "small", precision: str = "bf16", batch: int =
 def train_losses(steps: int = 5, size: str = "nano", batch: int = 4, bucket_mb: float = 0.02):
     """Train with zl.DDP from rank-dependent initial weights; return losses and final weights."""
     r, n = dist.get_rank(), dist.get_world_size()
-    model, data = _gpt(size, seed=0 if r == 0 else 1000 + r)   # the broadcast must make them equal
+    # bias=False here and in the reference: the attention key bias has an exactly-zero gradient,
+    # pure round-off that AdamW would turn into visible steps in whichever order it was summed
+    model, data = _gpt(size, seed=0 if r == 0 else 1000 + r, bias=False)   # the broadcast must make them equal
     eng = _engine("overlapped", model, bucket_mb)
     losses = []
     for i in range(steps):
@@ -204,7 +206,7 @@ def train_losses(steps: int = 5, size: str = "nano", batch: int = 4, bucket_mb: 
 
 def single_process_losses(steps: int = 5, size: str = "nano", global_batch: int = 8):
     """The reference: one process, plain PyTorch, the whole global batch each step."""
-    model, data = _gpt(size, seed=0)
+    model, data = _gpt(size, seed=0, bias=False)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     losses = []
     for i in range(steps):
