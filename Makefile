@@ -1,6 +1,8 @@
 # zerolab: two commands do everything on a fresh machine.
 #   make test   set up, then run the unit tests, the multi-process tests and nbval over every chapter
 #   make book   set up, then execute every chapter and build the HTML book into _build/html
+#   make test-kernels   make test once under each CPU kernel set torch can use here (AVX2, AVX-512,
+#               the plain default, Arm's SVE): one line each; CI runs make test only
 #
 # Set-up makes a virtual environment in .venv. If this machine's python already has a torch
 # (a GPU box, say), the venv sees it; otherwise it installs the CPU build torch==2.13.0 first,
@@ -11,11 +13,11 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.zerolab-setup
 CPU_TORCH := torch==2.13.0
-# One compute thread in every kernel and test: the chapters' printed numbers were produced
-# that way, and the low bits of a float sum depend on how many threads added it up.
+# One compute thread in every kernel and test: the low bits of a float sum depend on how many
+# threads added it up (and on the CPU's kernels: no compared output relies on them).
 export OMP_NUM_THREADS := 1
 
-.PHONY: setup test book clean
+.PHONY: setup test test-kernels book clean
 
 setup: $(STAMP)
 
@@ -35,6 +37,9 @@ $(STAMP): requirements.txt pyproject.toml
 test: setup
 	$(PY) -m pytest tests chapters --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg \
 	  --nbval-cell-timeout=600 -p no:cacheprovider -q --durations=10
+
+test-kernels: setup
+	$(PY) tests/run_under_each_kernel.py
 
 # The execution cache is keyed on the notebooks by jupyter-cache; we also key it on the
 # library's sources, so a change in zerolab/ re-executes every chapter.

@@ -1,0 +1,59 @@
+"""Run `make test` once under each CPU kernel set PyTorch can use on this machine.
+
+PyTorch picks its vectorised kernels (ATen's CPU capability) at start-up: ATEN_CPU_CAPABILITY
+asks for another set. Each set orders float sums differently, so this is how to check, on one
+machine, that no test or compared notebook output depends on the low bits of such a sum.
+
+    make test-kernels          (or: python tests/run_under_each_kernel.py)
+
+prints one line per kernel set; each run's whole output is kept in _build/kernels/<set>.log.
+Exit status 0 only if every run passed.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+CANDIDATES = ("default", "avx2", "avx512", "sve256")   # x86-64 sets, then Arm's SVE
+
+
+def capability_in_effect(asked: str) -> str:
+    """What torch actually uses when asked for `asked` (it falls back when the CPU lacks it)."""
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=asked)
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+                         env=env, capture_output=True, text=True, check=True)
+    return out.stdout.strip().lower()
+
+
+def summary(log: str) -> str:
+    """pytest's closing line, and the failed tests' names."""
+    closing = [line.strip("= ") for line in log.splitlines() if re.search(r"\d+ (passed|failed)", line)]
+    failed = [line.split()[1] for line in log.splitlines() if line.startswith("FAILED ")]
+    text = closing[-1] if closing else "no pytest summary (see the log)"
+    return text + ("; failed: " + ", ".join(failed) if failed else "")
+
+
+def main() -> int:
+    top = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    supported = [c for c in CANDIDATES if capability_in_effect(c) == c]
+    os.makedirs(os.path.join(top, "_build", "kernels"), exist_ok=True)
+    print("kernel sets this CPU supports:", ", ".join(supported), flush=True)
+    ok = True
+    for cap in supported:
+        start = time.time()
+        env = dict(os.environ, ATEN_CPU_CAPABILITY=cap)
+        run = subprocess.run(["make", "--no-print-directory", "test"], cwd=top, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        with open(os.path.join(top, "_build", "kernels", f"{cap}.log"), "w") as f:
+            f.write(run.stdout)
+        ok &= run.returncode == 0
+        verdict = "green" if run.returncode == 0 else f"RED (exit {run.returncode})"
+        print(f"ATEN_CPU_CAPABILITY={cap:<8} {verdict}: {summary(run.stdout)} "
+              f"[{time.time() - start:.0f} s wall]", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
