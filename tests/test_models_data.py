@@ -16,6 +16,8 @@ def test_gpt_shapes_and_causality():
     assert logits.shape == (2, 16, cfg.vocab_size)
     # causal: changing a later token must not change earlier logits
     x2 = x.clone(); x2[:, 10] = (x2[:, 10] + 1) % cfg.vocab_size
+    # the same positions are computed from different inputs elsewhere in the batch, and a kernel may
+    # block its sums differently: equal up to round-off (1e-6), while a leak changes them by ~1e-1
     assert torch.allclose(m(x2)[:, :10], logits[:, :10], atol=1e-6)
     assert not torch.allclose(m(x2)[:, 10:], logits[:, 10:])
 

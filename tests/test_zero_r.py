@@ -69,6 +69,8 @@ def test_zero_on_a_dp2_mp2_mesh_trains_like_the_hand_averaged_tensor_parallel_ru
                 continue
             # the engine works over the dp group only
             assert run["layout"] == (2, dp_rank, [mp_rank, 2 + mp_rank]), (rank, key)
+            # dp = 2: a sum of two gradients is the same in either order and halving is exact, so
+            # the engine and the hand-averaged run agree to round-off of the layout alone (1e-6)
             assert run["losses"] == pytest.approx(ref["losses"], abs=1e-6), (rank, key)
             for name, p in ref["params"].items():
                 err = (run["state"][name] - p).abs().max().item()
