@@ -192,11 +192,13 @@ def buffer_curve(n_layers=(1, 2, 4, 8), bucket_mb: float = 0.05) -> list:
 # ------------------------------------------------------------------ 5. step time (benchmark rows)
 
 
-def step_times(steps: int = 4, n_layer: int = 4) -> dict:
+def step_times(steps: int = 8, n_layer: int = 4) -> dict:
     """Seconds per step of plain stage 2, checkpointing, P_a and P_a+cpu, in the same processes.
 
     The four engines take turns step by step, so a slow moment of the shared machine hits
-    all of them alike; the figures are medians over steps, in wall-clock and CPU seconds.
+    all of them alike; the figures are medians over steps, in wall-clock and CPU seconds, and
+    `extra_cpu` is the median over steps of each mode's CPU time minus plain stage 2's in the
+    same step (paired, so that a slow step does not count against one mode only).
     """
     mesh = Mesh(dp=2, mp=2)
     engines = {}
@@ -226,5 +228,7 @@ def step_times(steps: int = 4, n_layer: int = 4) -> dict:
                     fwd.append(t1 - t0)
                     fwd_cpu.append(c1 - c0)
     med = lambda xs: sorted(xs)[len(xs) // 2]
+    extra = {m: med([c - base for c, base in zip(cpu[m], cpu["none"])]) for m in MODES}
     return {"step": {m: med(t) for m, t in times.items()}, "forward": med(fwd),
-            "step_cpu": {m: med(t) for m, t in cpu.items()}, "forward_cpu": med(fwd_cpu)}
+            "step_cpu": {m: med(t) for m, t in cpu.items()}, "forward_cpu": med(fwd_cpu),
+            "extra_cpu": extra}
