@@ -159,10 +159,14 @@ def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KIND
         return _torch_runner("ZeroRedundancyOptimizer", "ZeRO-1", "PyTorch", m, zro)
 
     def fsdp2(reshard):   # reshard=False keeps parameters gathered from forward to backward
+        from torch.distributed.device_mesh import init_device_mesh
         m = make_model()
+        # the models here live on the CPU: say so, or FSDP2's default mesh picks CUDA whenever a
+        # GPU exists and sets device `rank` (which fails for rank 1 on a one-GPU box)
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for block in m.blocks:
-            fully_shard(block, reshard_after_forward=reshard)
-        fully_shard(m, reshard_after_forward=reshard)
+            fully_shard(block, reshard_after_forward=reshard, mesh=mesh)
+        fully_shard(m, reshard_after_forward=reshard, mesh=mesh)
         return _torch_runner(f"FSDP2 reshard={reshard}", f"ZeRO-{2 if not reshard else 3}", "PyTorch",
                              m, opt(m.parameters()))
 

@@ -65,7 +65,7 @@ def world_size() -> int:
 
 def device() -> torch.device:
     """The device this rank computes on: its own GPU under NCCL, else the CPU."""
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -124,6 +124,11 @@ def _choose_backend(world_size: int, backend: str | None) -> str:
                   "NCCL needs one GPU per rank, so this run uses gloo on the CPU.")
     return "gloo"
 
+
+# Under NCCL, CPU tensors travel over gloo: NCCL alone has no CPU path, and a chapter or test
+# that builds its model on the CPU (as they all do) must still run when a GPU happens to be
+# there (world_size 1 picks NCCL on any GPU box). CUDA tensors still go over NCCL.
+NCCL_WITH_CPU = "cpu:gloo,cuda:nccl"
 
 _said: set[str] = set()
 
@@ -201,7 +206,8 @@ def _worker(fn, args, rank_, world_size_, addr, port, backend, timeout, conn, lo
             torch.cuda.set_device(rank_)
             kwargs["device_id"] = torch.device("cuda", rank_)
         store = _rendezvous(rank_, world_size_, addr, port, timeout)
-        dist.init_process_group(backend, store=store, rank=rank_, world_size=world_size_,
+        dist.init_process_group(NCCL_WITH_CPU if backend == "nccl" else backend, store=store,
+                                rank=rank_, world_size=world_size_,
                                 timeout=datetime.timedelta(seconds=timeout), **kwargs)
         _count_in(store, "zerolab/initialised", world_size_)  # nobody starts before all are connected
         value = fn(*args)
@@ -323,7 +329,7 @@ def _run_in_place(fn, args, world_size_):
         use_nccl = torch.cuda.is_available() and local < torch.cuda.device_count()
         if use_nccl:
             torch.cuda.set_device(local)
-        dist.init_process_group("nccl" if use_nccl else "gloo")
+        dist.init_process_group(NCCL_WITH_CPU if use_nccl else "gloo")
     value = fn(*args)
     values = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)

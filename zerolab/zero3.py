@@ -711,10 +711,11 @@ class ZeRO3:
         for u in self.units:
             for kind, b in u.buckets.items():
                 src = u.master.data if (kind == "train") else u.shard[kind]
-                full = torch.empty(b.padded_numel, dtype=src.dtype)
+                # gathered on the shards' own device (a collective takes one device), then to the CPU
+                full = torch.empty(b.padded_numel, dtype=src.dtype, device=src.device)
                 self.comm.all_gather(full, src.contiguous(), tag="state")
                 for p, view in zip(b.params, b.views(full)):
-                    value_of[id(p)] = view.float().clone()
+                    value_of[id(p)] = view.float().cpu().clone()
         out, converted = {}, {}
         for key, t in self.model.state_dict(keep_vars=True).items():
             if id(t) in value_of:
