@@ -1,0 +1,72 @@
+"""What every gpu/ result file carries: the machine, the date and the library versions."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import torch
+
+
+def _smi(query: str) -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except Exception:  # noqa: BLE001 - no nvidia-smi: a CPU machine
+        return None
+
+
+def machine() -> dict:
+    """Device name, driver, torch / CUDA / NCCL versions, Python, and today's date (UTC)."""
+    cuda = torch.cuda.is_available()
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(0) if cuda else f"CPU ({platform.processor() or platform.machine()})",
+        "device_count": torch.cuda.device_count() if cuda else 0,
+        "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
+        "sm_count": torch.cuda.get_device_properties(0).multi_processor_count if cuda else None,
+        "compute_capability": ".".join(map(str, torch.cuda.get_device_capability(0))) if cuda else None,
+        "driver": _smi("driver_version"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+        "python": sys.version.split()[0],
+        "cpu_count": os.cpu_count(),
+    }
+    return info
+
+
+def bf16_matmul_peak(n: int = 8192, reps: int = 20) -> dict:
+    """The measured bf16 dense-matmul rate (FLOP/s): the denominator of MFU (median of `reps`)."""
+    if not torch.cuda.is_available():
+        return {"flops": None, "note": "no GPU"}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=g)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=g)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    times.sort()
+    t = times[len(times) // 2]
+    return {"flops": 2 * n ** 3 / t, "n": n, "median_s": t,
+            "note": f"median of {reps} {n}x{n}x{n} bf16 matmuls on random data, after 3 warm-ups"}
+
+
+def write_json(path: str, payload: dict) -> None:
+    """Write a result with the machine record first."""
+    out = {"machine": machine(), **payload}
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1, sort_keys=False, default=str)
+        f.write("\n")

@@ -1,0 +1,167 @@
+"""The committed GPU results (gpu/results/, written by gpu/run_all.sh on a GPU box) on a CPU.
+
+Nothing here needs or touches a GPU: the files must parse, name the machine, the date and the
+library versions, render for every chapter that shows them, and obey physics that the
+measurement did not assume (sharding lowers per-rank memory by the paper's amounts, MFU is a
+fraction, the op-level allocation tracker agrees with the CUDA allocator).
+"""
+
+import json
+import os
+import re
+
+import pytest
+
+import zerolab.gpu_results as gr
+
+RESULTS = gr.RESULTS
+pytestmark = pytest.mark.skipif(bool(gr.missing()), reason="no GPU results in this checkout")
+
+
+def load(name):
+    with open(os.path.join(RESULTS, name)) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("name", gr.FILES)
+def test_every_file_names_the_machine_date_and_versions(name):
+    m = load(name)["machine"]
+    assert "NVIDIA" in m["device"] and m["device_count"] >= 1
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", m["date"])
+    for key in ("torch", "cuda", "nccl", "driver", "python"):
+        assert m[key], key
+    assert "+cu" in m["torch"], "a CUDA build of PyTorch"
+
+
+def test_the_csv_files_hold_the_json_rows():
+    import csv
+    for stem in ("bench", "bench_rep2"):
+        with open(os.path.join(RESULTS, stem + ".csv")) as f:
+            rows = list(csv.DictReader(f))
+        js = load(stem + ".json")
+        assert len(rows) == sum(len(e["rows"]) for e in js["runs"].values())
+
+
+@pytest.mark.parametrize("chapter", gr.CHAPTERS)
+def test_show_renders_for_every_chapter(chapter, capsys):
+    text = gr.markdown(chapter)
+    first = text.splitlines()[0]
+    assert first.startswith("**Measured on a GPU (NVIDIA") and re.search(r"\d{4}-\d{2}-\d{2}", first)
+    assert "|---" in text                                         # a table
+    assert gr.markdown(chapter) == text                           # the same text every time (nbval)
+    gr.show(chapter)
+    if chapter in gr.FIGURES:
+        assert gr.figure(chapter) and os.path.getsize(gr.figure(chapter)) < 300_000
+
+
+def test_show_says_so_when_the_files_are_missing(tmp_path, capsys):
+    gr.show(10, results=str(tmp_path))
+    out = capsys.readouterr().out
+    assert out.startswith("No GPU results here") and "Reproduce the GPU results" in out
+    with pytest.raises(ValueError, match="chapters with one"):
+        gr.markdown(3)
+
+
+def test_gpu_folder_stays_small():
+    root = os.path.dirname(RESULTS)
+    total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs
+                if "__pycache__" not in d)
+    assert total < 3_000_000
+
+
+# ------------------------------------------------------------------ physics
+
+
+def test_every_engine_matches_one_process_on_the_gpu():
+    p = load("parity.json")
+    assert "nccl" in p["worlds"]["1"]["backend"] and p["worlds"]["2"]["backend"] == "gloo"
+    for n in ("1", "2"):
+        assert p["worlds"][n]["device"].startswith("cuda")
+        engines = p["worlds"][n]["engines"]
+        assert len(engines) == 10
+        for key, r in engines.items():
+            assert r["ran"] and r["pass"], (n, key)
+            assert r["max_abs_diff"] <= p["tolerance"][key.rsplit(" ", 1)[1]]
+    # at world 1 nothing is reduced: every engine is the single process, bit for bit
+    assert all(r["max_abs_diff"] == 0 for r in p["worlds"]["1"]["engines"].values())
+
+
+@pytest.mark.parametrize("name", ["bench.json", "bench_rep2.json"])
+def test_bench_rows_are_physical(name):
+    b = load(name)
+    peak = b["matmul_peak"]["flops"]
+    assert 1e14 < peak < 2e15, "an H100-class bf16 matmul rate"
+    for run in ("world1", "world2"):
+        for r in b["runs"][run]["rows"]:
+            assert r["ran"], r["engine"]
+            assert 0 < r["held_bytes"] < r["peak_bytes"] < 80e9
+            if run == "world1":
+                assert 0 < r["mfu"] < 1
+                # the FLOPs behind MFU, recomputed from the step time: 6 Psi per token at least
+                tokens = b["runs"][run]["tokens_per_step"]
+                assert r["mfu"] * peak >= 6 * r["psi"] * tokens / (r["step_ms"] / 1e3) * 0.999
+
+
+@pytest.mark.parametrize("name", ["bench.json", "bench_rep2.json"])
+def test_sharding_lowers_per_rank_memory_by_the_papers_amounts(name):
+    rows = {r["engine"]: r for r in load(name)["runs"]["world2"]["rows"]}
+    psi, n = rows["zl.DDP"]["psi"], 2
+    held = {k: r["held_bytes"] for k, r in rows.items()}
+    assert held["zl.ZeRO-3"] < held["zl.ZeRO-1"] < held["zl.DDP"]
+    assert held["zl.ZeRO-2"] == pytest.approx(held["zl.ZeRO-1"], rel=0.01)   # gradients freed: the same between steps
+    assert held["FSDP2 reshard=True"] < held["PyTorch DDP"]
+    # between steps the gradients are freed (zero_grad), so what is held is the paper's model
+    # states minus the gradients: DDP 2 + 12 (plus its 2-byte gradient buffer), ZeRO-1 2 + 12/N,
+    # ZeRO-2 2 + 12/N, ZeRO-3 (2 + 12)/N bytes per parameter
+    expect = {"zl.DDP": 16 * psi, "zl.ZeRO-1": (2 + 12 / n) * psi, "zl.ZeRO-2": (2 + 12 / n) * psi,
+              "zl.ZeRO-3": 14 / n * psi, "PyTorch DDP": 16 * psi, "FSDP2 reshard=True": 12 / n * psi}
+    for k, want in expect.items():
+        assert held[k] == pytest.approx(want, rel=0.05), k
+
+
+def test_the_op_level_tracker_agrees_with_the_cuda_allocator():
+    m = load("memory_snapshot.json")
+    c, t, model = m["cuda"], m["traced_step_cuda"], m["model"]
+    assert c["allocated_peak"] <= c["reserved_peak"]
+    assert c["fragmentation_peak_bytes"] == c["reserved_peak"] - c["allocated_peak"]
+    assert 0 <= c["inactive_split_peak"] <= c["fragmentation_peak_bytes"]
+    # held before the traced step + the step's peak live bytes (counted op by op, zerolab.memory)
+    # = the CUDA allocator's peak for that step
+    assert t["allocated_at_start"] + model["without_MD"]["peak_live"] == pytest.approx(t["allocated_peak"], rel=0.02)
+    assert model["without_MD"]["reserved"] >= model["without_MD"]["peak_live"]
+
+
+def test_every_chapter_ran_on_the_gpu_box():
+    ch = load("chapters.json")["chapters"]
+    assert len(ch) == 10 and all(c["ok"] for c in ch.values())
+
+
+def test_checkpointing_and_offload_lower_the_peak_and_offload_moves_bytes():
+    off = load("offload.json")
+    assert 1e9 < off["pcie"]["host_to_device"] < 200e9 and 1e9 < off["pcie"]["device_to_host"] < 200e9
+    for key in ("world1", "world2"):
+        rows = off["runs"][key]["rows"]
+        assert all(r["ok"] for r in rows.values())
+        assert rows["checkpointing"]["peak_bytes_per_rank"] < rows["no checkpointing"]["peak_bytes_per_rank"]
+        assert rows["checkpointing"]["step_ms"] > rows["no checkpointing"]["step_ms"]   # the recompute
+    w2 = off["runs"]["world2"]["rows"]
+    assert w2["P_a+cpu (offload)"]["offloaded_bytes_per_step_per_rank"] > 0
+    assert w2["P_a"]["offloaded_bytes_per_step_per_rank"] == 0
+    assert w2["P_a+cpu (offload)"]["peak_bytes_per_rank"] < w2["P_a"]["peak_bytes_per_rank"] \
+        < w2["checkpointing"]["peak_bytes_per_rank"]
+
+
+def test_buckets_and_overlap_and_prefetch_act_as_the_chapters_say():
+    ov = load("overlap.json")
+    for key in ("world1", "world2"):
+        rows = ov["ddp"][key]["rows"]
+        assert rows["bucketed"]["allreduce_calls"] < rows["naive"]["allreduce_calls"]
+        assert rows["naive"]["overlap"] == 0 and rows["bucketed"]["overlap"] == 0   # both wait for backward's end
+        assert rows["overlapped"]["overlap"] > 0
+    w2 = ov["ddp"]["world2"]["rows"]
+    # where communication is real (gloo): fewer messages and overlap each shorten the wait
+    assert w2["overlapped"]["wait_after_backward_ms"] < w2["bucketed"]["wait_after_backward_ms"] \
+        < w2["naive"]["wait_after_backward_ms"]
+    p2 = ov["prefetch"]["world2"]
+    assert p2["gather_wait_ms"]["1"] < p2["gather_wait_ms"]["0"]
+    assert ov["prefetch"]["world1"]["gather_wait_ms"]["0"] < 1.0      # NCCL at world 1: nothing to wait for
