@@ -443,7 +443,7 @@ def main(argv=None):
     for text, ok in targets(s):
         print(f"  [{'met' if ok else 'MISSED'}] {text}")
     if a.plot:
-        from .bench_plots import plot_bench
+        from .book.bench_plots import plot_bench
         paths = plot_bench(s, a.plot)
         print("figures: " + ", ".join(paths))
     print(f"{time.perf_counter() - t0:.0f} s in all.")

@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from . import data, models
-from .precision import LossScaler, MixedPrecision
-from .single import SingleProcess
+from .. import data, models
+from ..precision import LossScaler, MixedPrecision
+from ..single import SingleProcess
 
 CONFIG = dict(size="nano", batch_size=8, lr=1e-3, seed=0)
 

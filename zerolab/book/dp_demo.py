@@ -13,10 +13,10 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from .collectives import naive_reduce, ring_all_gather, ring_all_reduce, ring_reduce_scatter
-from .comm import Ledger
-from .data import CharDataset
-from .models import GPT, gpt_config, gpt_loss
+from ..collectives import naive_reduce, ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from ..comm import Ledger
+from ..data import CharDataset
+from ..models import GPT, gpt_config, gpt_loss
 
 # ------------------------------------------------------------------ chapter 4
 
@@ -100,7 +100,7 @@ def _gpt(size, seed=0, bias=True):
 
 
 def _engine(mode, model, bucket_mb, precision="fp32"):
-    from .ddp import DDP, NaiveDDP
+    from ..ddp import DDP, NaiveDDP
     opt = partial(torch.optim.AdamW, lr=3e-4)
     if mode == "naive":
         return NaiveDDP(model, opt, precision=precision, track_peak=False)
@@ -233,7 +233,7 @@ def optimizer_step_times(size: str = "small", bucket_mb: float = 1.0, steps: int
     """AdamW steps on a GPT's parameters one by one, and on the same numbers laid out in flat
     buckets as zl.DDP lays them out. Median ms per step of each, and the largest difference
     between the two results after `steps` steps (the same random gradients for both)."""
-    from .buckets import FlatBuckets, bucket_order
+    from ..buckets import FlatBuckets, bucket_order
     torch.manual_seed(0)
     separate = GPT(gpt_config(size))
     flat_model = GPT(gpt_config(size))

@@ -15,17 +15,17 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from .data import CharDataset
-from .memory import model_state_bytes
-from .models import GPT, gpt_config, gpt_loss, num_params
+from ..data import CharDataset
+from ..memory import model_state_bytes
+from ..models import GPT, gpt_config, gpt_loss, num_params
 
 OPT = partial(torch.optim.AdamW, lr=3e-4)
 STAGES = (0, 1, 2, 3)
 
 
 def _engine(stage, size, bucket_mb):
-    from .ddp import DDP
-    from .zero import ZeRO
+    from ..ddp import DDP
+    from ..zero import ZeRO
     torch.manual_seed(0)
     model = GPT(gpt_config(size))
     if stage == 0:
@@ -74,7 +74,7 @@ def comm_formula_bytes(psi: int, n: int, stage: int) -> float:
 
 def run_scaling(world_sizes=(1, 2, 4), size="tiny", batch=2, steps=4):
     """Launch once per world size; returns {n: {stage: measurements}} and the parameter count."""
-    from .launch import launch
+    from ..launch import launch
     psi = num_params(GPT(gpt_config(size)))
     results = {}
     for n in world_sizes:

@@ -6,9 +6,9 @@ import matplotlib.pyplot as plt
 import torch
 from matplotlib.patches import Rectangle
 
-from . import memory
-from .buckets import FlatBuckets, bucket_order
-from .models import GPT, gpt_config
+from .. import memory
+from ..buckets import FlatBuckets, bucket_order
+from ..models import GPT, gpt_config
 
 RANK_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
 

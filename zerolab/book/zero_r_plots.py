@@ -1,4 +1,4 @@
-"""Figures for chapter 9 (ZeRO-R), each drawn from measurements made by zerolab.zero_r_demo."""
+"""Figures for chapter 9 (ZeRO-R), each drawn from measurements made by zerolab.book.zero_r_demo."""
 
 from __future__ import annotations
 

@@ -20,13 +20,13 @@ from functools import partial
 
 import torch
 
-from .comm import Ledger
-from .data import CharDataset
-from .ddp import broadcast_from_rank0
-from .launch import rank as _rank, world_size as _world_size
-from .memory import live_bytes, model_state_bytes, optimizer_tensors
-from .models import GPT, gpt_config, gpt_loss, num_params
-from .single import build_optimizer
+from ..comm import Ledger
+from ..data import CharDataset
+from ..ddp import broadcast_from_rank0
+from ..launch import rank as _rank, world_size as _world_size
+from ..memory import live_bytes, model_state_bytes, optimizer_tensors
+from ..models import GPT, gpt_config, gpt_loss, num_params
+from ..single import build_optimizer
 
 
 class SeedZeRO1:
@@ -148,11 +148,11 @@ def _train(engine, steps, batch=2):
 
 def run_seed_vs_zero(variant: str, steps: int = 3, size: str = "nano"):
     """One rank's view: bytes of the last step by collective, losses, final weights (full, fp32)."""
-    from .zero import ZeRO
+    from ..zero import ZeRO
     model = _gpt(size)
     psi = num_params(model, trainable_only=True)
     if variant == "ddp":
-        from .ddp import DDP
+        from ..ddp import DDP
         eng = DDP(model, OPT, bucket_mb=0.05)
     elif variant == "seed1":
         eng = SeedZeRO1(model, OPT)
@@ -181,7 +181,7 @@ def agree(run, ref, tol: float = 2e-5) -> bool:
 
 def run_memory(stage: int, precision: str, size: str = "nano", bucket_mb: float = 0.05):
     """Measured model-state bytes on this rank after two steps, and the paper's formula."""
-    from .zero import ZeRO
+    from ..zero import ZeRO
     model = _gpt(size)
     psi = num_params(model, trainable_only=True)
     eng = ZeRO(model, OPT, stage=stage, precision=precision, bucket_mb=bucket_mb)
@@ -199,7 +199,7 @@ def run_memory(stage: int, precision: str, size: str = "nano", bucket_mb: float 
 
 def run_grad_timeline(stage: int, size: str = "tiny", bucket_mb: float = 0.05):
     """Gradient bytes this rank holds at each gradient hook of one backward (measured storages)."""
-    from .zero import ZeRO
+    from ..zero import ZeRO
     import torch.distributed as dist
     model = _gpt(size)
     psi = num_params(model, trainable_only=True)

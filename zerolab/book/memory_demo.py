@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from . import data, memory, models
-from .comm import Ledger
-from .launch import rank, world_size
+from .. import data, memory, models
+from ..comm import Ledger
+from ..launch import rank, world_size
 
 GB = 1e9  # the paper's tables use decimal gigabytes
 

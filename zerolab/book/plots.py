@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from . import memory
+from .. import memory
 
 COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868",
           "activations": "#C44E52", "other": "#8172B3"}

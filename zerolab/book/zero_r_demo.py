@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
-from . import allocator, checkpointing, memory
-from .data import CharDataset
-from .mesh import Mesh
-from .models import GPT, gpt_config, gpt_loss
-from .tensor_parallel import TensorParallelGPT
+from .. import allocator, checkpointing, memory
+from ..data import CharDataset
+from ..mesh import Mesh
+from ..models import GPT, gpt_config, gpt_loss
+from ..tensor_parallel import TensorParallelGPT
 
 B = 4
 MODES = {"none": {}, "ckpt": dict(checkpoint_activations=True),

@@ -1,0 +1,28 @@
+"""The book's own code: the demos each chapter runs and the figures it draws.
+
+Nothing here is part of the library a student trains with (zerolab's engines, comm, memory,
+precision, checkpoint ...): these modules call that library the way a reader would, measure,
+and plot. One module per idea of a chapter:
+
+    fp_plots, mixed_precision_demo   chapters 1 and 2: floating point, mixed precision
+    memory_demo, plots               chapter 3: where the memory goes (plots: shared bar charts)
+    dp_demo, timeline                chapters 4 and 5: collectives, data parallelism, timelines
+    zero_demo, zero_plots            chapters 6 and 7: ZeRO-1 and ZeRO-2
+    zero3_demo, zero3_plots          chapter 8: ZeRO-3
+    zero_r_demo, zero_r_plots        chapter 9: ZeRO-R
+    scaling_demo, bench_plots        chapter 10: scaling up, the benchmark's figures
+"""
+
+import importlib
+
+
+def __getattr__(name):
+    # zl.book.plots and friends load on first use, as zerolab's own modules do
+    try:
+        module = importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = module
+    return module
