@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-import zerolab.gpu_results as gr
+import zerolab.book.gpu_results as gr
 
 RESULTS = gr.RESULTS
 pytestmark = pytest.mark.skipif(bool(gr.missing()), reason="no GPU results in this checkout")

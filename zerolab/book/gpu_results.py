@@ -1,6 +1,6 @@
 """The results measured on a GPU box (gpu/results/), shown beside the chapters' CPU runs.
 
-    import zerolab.gpu_results as gr
+    import zerolab.book.gpu_results as gr
     gr.show(10)          # "Measured on a GPU (NVIDIA H100 80GB HBM3, 2026-11-23)": a table and a figure
 
 The chapters execute on 2 CPU cores with gloo; the files under gpu/results/ were written by
@@ -15,7 +15,8 @@ import json
 import os
 
 CHAPTERS = (2, 5, 8, 9, 10)
-RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "results")
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "gpu",
+                       "results")
 FILES = ("parity.json", "bench.json", "bench_rep2.json", "memory_snapshot.json", "profile.json", "offload.json",
          "overlap.json", "chapters.json")
 FIGURES = {5: "profile.png", 9: "memory_snapshot.png", 10: "bench.png"}
