@@ -42,10 +42,15 @@ def test_rounding_matches_torch_cast_bit_for_bit(fmt):
     x = torch.cat([x, (near * scale).to(torch.float32),
                    torch.tensor([0.0, -0.0, math.inf, -math.inf, f.max, -f.max])])
     finite = torch.isfinite(x)
-    ref = _torch_bits(x, fmt)
+    # torch's CPU cast to e4m3 turned an overflow into NaN before pytorch/pytorch#178817 (2026)
+    # made it saturate, as the OCP spec's saturating mode and zerolab do: on such a torch the
+    # reference for those elements is its cast of the saturated value
+    old_nan = ~torch.isnan(x) & torch.isnan(x.to(f.torch_dtype).to(torch.float32))
+    x_ref = torch.where(old_nan, torch.sign(x) * f.max, x)
+    ref = _torch_bits(x_ref, fmt)
     mine = N.to_bits(x.to(torch.float64), fmt)
     assert torch.equal(mine[finite], ref[finite])
-    ref_val = x.to(f.torch_dtype).to(torch.float64)
+    ref_val = x_ref.to(f.torch_dtype).to(torch.float64)
     got = N.round_to(x.to(torch.float64), fmt)
     assert torch.equal(got, ref_val)  # values, infs (and e4m3's saturation) included
     assert torch.isnan(N.round_to(torch.tensor([math.nan]), fmt)).all()
