@@ -25,6 +25,7 @@ _LAZY = {
     "single": ("zerolab.single", None),
     "SingleProcess": ("zerolab.single", "SingleProcess"),
     "book": ("zerolab.book", None),
+    "engines": ("zerolab.engines", None),
     "checkpoint": ("zerolab.checkpoint", None),
     "mesh": ("zerolab.mesh", None),
     "Mesh": ("zerolab.mesh", "Mesh"),

@@ -133,9 +133,7 @@ def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KIND
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
-    from .ddp import DDP
-    from .single import SingleProcess
-    from .zero import ZeRO
+    from .engines import make
 
     cfg = gpt_config(size)
     opt = partial(torch.optim.AdamW, lr=lr)
@@ -145,7 +143,7 @@ def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KIND
         return GPT(cfg)
 
     def floor():
-        r = _zl_runner("single process", "floor", SingleProcess(make_model(), opt, track_peak=False))
+        r = _zl_runner("single process", "floor", make("single", make_model(), opt, track_peak=False))
         r.family = "floor"
         return r
 
@@ -172,7 +170,7 @@ def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KIND
 
     def zl_zero(stage, **kw):
         name = f"zl.ZeRO-{stage}" + "".join(f" {k}={v}" for k, v in kw.items())
-        r = _zl_runner(name, f"ZeRO-{stage}", ZeRO(make_model(), opt, stage=stage, bucket_mb=bucket_mb,
+        r = _zl_runner(name, f"ZeRO-{stage}", make(f"zero{stage}", make_model(), opt, bucket_mb=bucket_mb,
                                                      track_peak=False, **kw))
         if kw:
             r.family = "ablation"   # zerolab with a feature off: compared with zerolab, not peers
@@ -180,8 +178,8 @@ def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KIND
 
     out = [("single process", floor)]
     if "DDP" in kinds:
-        out += [("zl.DDP", lambda: _zl_runner("zl.DDP", "DDP", DDP(make_model(), opt, bucket_mb=bucket_mb,
-                                                                     track_peak=False))),
+        out += [("zl.DDP", lambda: _zl_runner("zl.DDP", "DDP", make("ddp", make_model(), opt, bucket_mb=bucket_mb,
+                                                                      track_peak=False))),
                 ("PyTorch DDP", torch_ddp)]
     if "ZeRO-1" in kinds:
         out += [("zl.ZeRO-1", partial(zl_zero, 1)), ("ZeroRedundancyOptimizer", zero_redundancy)]

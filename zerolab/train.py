@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import os
 import signal
 import sys
@@ -33,20 +32,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from . import data, memory, models
+from . import data, engines, memory, models
 from .launch import launch, rank, world_size
 
 
 def available_strategies() -> list:
-    """The strategies this installation of zerolab can run."""
-    names = []
-    if importlib.util.find_spec("zerolab.single"):
-        names.append("single")
-    if importlib.util.find_spec("zerolab.ddp"):
-        names.append("ddp")
-    if importlib.util.find_spec("zerolab.zero"):
-        names += ["zero1", "zero2", "zero3"]
-    return names
+    """The engines --strategy can name (zerolab.engines; NaiveDDP is chapter 5's teaching version)."""
+    return [name for name in engines.NAMES if name != "naive"]
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -128,15 +120,10 @@ def parse_fault(spec: str, world_size: int) -> tuple:
 def make_engine(cfg: TrainConfig, model: torch.nn.Module):
     """Wrap `model` in the engine named by cfg.strategy."""
     optimizer = functools.partial(torch.optim.AdamW, lr=cfg.lr, weight_decay=0.0)
-    if cfg.strategy == "single":
-        from .single import SingleProcess
-        return SingleProcess(model, optimizer, precision=cfg.precision)
-    if cfg.strategy == "ddp":
-        from .ddp import DDP
-        return DDP(model, optimizer, precision=cfg.precision, bucket_mb=cfg.bucket_mb)
-    from .zero import ZeRO
-    return ZeRO(model, optimizer, stage=int(cfg.strategy[-1]), precision=cfg.precision,
-                bucket_mb=cfg.bucket_mb)
+    options = {"precision": cfg.precision}
+    if cfg.strategy != "single":      # one process has no buckets
+        options["bucket_mb"] = cfg.bucket_mb
+    return engines.make(cfg.strategy, model, optimizer, **options)
 
 
 def train_worker(cfg: TrainConfig, progress=None) -> dict:

@@ -13,6 +13,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from .. import engines
 from ..collectives import naive_reduce, ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from ..comm import Ledger
 from ..data import CharDataset
@@ -100,12 +101,11 @@ def _gpt(size, seed=0, bias=True):
 
 
 def _engine(mode, model, bucket_mb, precision="fp32"):
-    from ..ddp import DDP, NaiveDDP
     opt = partial(torch.optim.AdamW, lr=3e-4)
     if mode == "naive":
-        return NaiveDDP(model, opt, precision=precision, track_peak=False)
-    return DDP(model, opt, precision=precision, bucket_mb=bucket_mb, track_peak=False,
-               overlap=(mode == "overlapped"))
+        return engines.make("naive", model, opt, precision=precision, track_peak=False)
+    return engines.make("ddp", model, opt, precision=precision, bucket_mb=bucket_mb, track_peak=False,
+                        overlap=(mode == "overlapped"))
 
 
 def timeline(mode: str, size: str = "small", batch: int = 4, bucket_mb: float = 1.0,

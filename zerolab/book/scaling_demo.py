@@ -15,6 +15,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from .. import engines
 from ..data import CharDataset
 from ..memory import model_state_bytes
 from ..models import GPT, gpt_config, gpt_loss, num_params
@@ -24,13 +25,9 @@ STAGES = (0, 1, 2, 3)
 
 
 def _engine(stage, size, bucket_mb):
-    from ..ddp import DDP
-    from ..zero import ZeRO
     torch.manual_seed(0)
     model = GPT(gpt_config(size))
-    if stage == 0:
-        return DDP(model, OPT, bucket_mb=bucket_mb)
-    return ZeRO(model, OPT, stage=stage, bucket_mb=bucket_mb)
+    return engines.make("ddp" if stage == 0 else f"zero{stage}", model, OPT, bucket_mb=bucket_mb)
 
 
 def scaling_worker(size="tiny", batch=2, steps=4, bucket_mb=0.25):

@@ -20,6 +20,7 @@ from functools import partial
 
 import torch
 
+from .. import engines
 from ..comm import Ledger
 from ..data import CharDataset
 from ..ddp import broadcast_from_rank0
@@ -148,18 +149,14 @@ def _train(engine, steps, batch=2):
 
 def run_seed_vs_zero(variant: str, steps: int = 3, size: str = "nano"):
     """One rank's view: bytes of the last step by collective, losses, final weights (full, fp32)."""
-    from ..zero import ZeRO
     model = _gpt(size)
     psi = num_params(model, trainable_only=True)
-    if variant == "ddp":
-        from ..ddp import DDP
-        eng = DDP(model, OPT, bucket_mb=0.05)
-    elif variant == "seed1":
+    if variant == "seed1":
         eng = SeedZeRO1(model, OPT)
     elif variant == "seed2":
         eng = SeedZeRO2(model, OPT)
-    else:
-        eng = ZeRO(model, OPT, stage=int(variant[-1]), bucket_mb=0.05)
+    else:   # "ddp", "zero1", "zero2": zerolab's own engines
+        eng = engines.make(variant, model, OPT, bucket_mb=0.05)
     losses, sent, memory = _train(eng, steps)
     state = eng.full_state_dict()
     return {"psi": psi, "bytes": sent, "losses": losses, "memory": memory, "state": state}
