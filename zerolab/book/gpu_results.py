@@ -158,8 +158,7 @@ def _chapter5(results):
 
 
 def _chapter8(results):
-    b1, *rest = _reps(results)
-    b2 = rest[0] if rest else None
+    b1 = _reps(results)[0]
     w2 = b1["runs"]["world2"]
     lines = [header(b1["machine"]), "",
              f"Per-rank memory at world 2: two ranks share the one GPU over gloo (CUDA tensors; NCCL refuses two "

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import data, memory, models
+from .. import calculator, data, memory, models
 from ..comm import Ledger
 from ..launch import rank, world_size
-
-GB = 1e9  # the paper's tables use decimal gigabytes
 
 
 def one_step(size: str = "small", batch_size: int = 8, seed: int = 0) -> dict:
@@ -66,6 +64,6 @@ def replicated_step(size: str = "small", batch_size: int = 8, seed: int = 0) -> 
 
 
 def table1(psis=(7.5e9, 128e9, 1e12), n_ds=(1, 4, 16, 64, 256, 1024)) -> list:
-    """The paper's Table 1 recomputed: rows of (N_d, [GB per stage 1, 2, 3 for each model])."""
-    return [(n, [memory.model_state_bytes(psi, n, stage) / GB for psi in psis for stage in (1, 2, 3)])
-            for n in n_ds]
+    """The paper's Table 1 (zerolab.calculator.table1) as rows: (N_d, [GB per stage 1, 2, 3 for each model])."""
+    t = calculator.table1(psis, n_ds)
+    return [(n, [gb for psi in psis for gb in t[psi][n]]) for n in n_ds]
