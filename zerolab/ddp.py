@@ -51,9 +51,10 @@ import torch
 
 from .buckets import FlatBuckets, bucket_order, held_still, unreached_ranges
 from .comm import Ledger
+from .engines.base import Engine
 from .launch import rank as _rank
 from .launch import world_size as _world_size
-from .memory import AllocationTracker, PeakMemory, live_bytes, optimizer_tensors, settled
+from .memory import AllocationTracker, optimizer_tensors, settled
 from .precision import MixedPrecision, clip_grad_norm_
 from .single import build_optimizer, check_optimizer_factory
 
@@ -207,7 +208,7 @@ def measured_forward(engine, *inputs):
 # ------------------------------------------------------------------ the engines
 
 
-class NaiveDDP:
+class NaiveDDP(Engine):
     """Data parallelism the obvious way: after backward, all-reduce each gradient, one by one."""
 
     flat_optimizer = None   # the optimizer steps parameter by parameter (DDP, ZeRO: flat buffers)
@@ -286,11 +287,8 @@ class NaiveDDP:
             p.copy_(m)
 
     # -------------------------------------------------------------- forward and backward
-    def __call__(self, *inputs):
-        dtype = self.precision.compute_dtype
-        inputs = [x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-                  for x in inputs]
-        return measured_forward(self, *inputs)
+    def _forward(self, *inputs):
+        return measured_forward(self, *inputs)   # Engine.__call__ cast the inputs
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -334,13 +332,7 @@ class NaiveDDP:
     # -------------------------------------------------------------- the step
     def step(self) -> bool:
         """Unscale, check, clip, update, refresh. False (nothing changed) on an fp16 overflow."""
-        if self.track_peak:
-            with PeakMemory("cpu") as peak:
-                applied = self._step()
-            self.last_peak = peak.peak
-        else:
-            applied = self._step()
-        self.steps += 1
+        applied = super().step()
         self._reduced = False
         return applied
 
@@ -401,34 +393,18 @@ class NaiveDDP:
     def _master_of(self) -> dict:
         return {id(p): m for p, m in zip(self.params, self.masters)}
 
-    def full_state_dict(self) -> dict:
-        """fp32 tensors on CPU, same keys as model.state_dict(); params come from the masters."""
-        master_of = self._master_of()
-        converted: dict = {}
-        out = {}
-        for key, t in self.model.state_dict(keep_vars=True).items():
-            if id(t) not in converted:
-                src = master_of.get(id(t), t).detach()
-                converted[id(t)] = src.float().cpu().clone() if src.is_floating_point() else src.cpu().clone()
-            out[key] = converted[id(t)]
-        return out
+    def _full_values(self) -> dict:
+        return self._master_of()     # Engine.full_state_dict consolidates
 
     def _master_tensors(self) -> list:
         return self.masters if self.masters is not self.params else []
 
-    def memory_report(self) -> dict:
-        """MEASURED bytes on this rank: params, grads, optimizer (fp32 masters + moments), total
-        (those three), peak (of the last step), activations (left alive by the last forward;
-        None unless track_activations, which is on by default with a mesh or checkpointing)."""
+    def _memory_tensors(self):
+        # activations (Engine.memory_report) are None unless track_activations, which is on by
+        # default with a mesh or checkpointing
         params = list(self.model.parameters())
         grads = [p.grad for p in params if p.grad is not None]
-        opt = list(self._master_tensors()) + optimizer_tensors(self.optimizer)
-        out = {"params": live_bytes(params), "grads": live_bytes(grads, exclude=params),
-               "optimizer": live_bytes(opt, exclude=params + grads)}
-        out["total"] = out["params"] + out["grads"] + out["optimizer"]
-        out["peak"] = self.last_peak
-        out["activations"] = self.last_activations
-        return out
+        return params, grads, list(self._master_tensors()) + optimizer_tensors(self.optimizer)
 
 
 class DDP(NaiveDDP):

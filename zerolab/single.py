@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from .comm import Ledger
-from .memory import PeakMemory, live_bytes, optimizer_tensors
+from .engines.base import Engine
+from .memory import optimizer_tensors
 from .precision import MixedPrecision, clip_grad_norm_
 
 
@@ -71,7 +72,7 @@ def build_optimizer(optimizer, params, precision: str, flat_engine: str | None =
     return opt
 
 
-class SingleProcess:
+class SingleProcess(Engine):
     """One process, one model: forward, backward, mixed-precision step, measured memory."""
 
     def __init__(self, model: torch.nn.Module, optimizer, *, precision="fp32", max_grad_norm=None,
@@ -91,6 +92,7 @@ class SingleProcess:
         self.steps = 0          # step() calls so far, applied or skipped
         self.last_peak = 0
         self.last_grad_norm = None
+        self.last_activations = None   # not tracked by the reference engine (the others can)
 
         # model.parameters() yields a tied weight once, so it gets one master and one optimizer slot
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -102,29 +104,12 @@ class SingleProcess:
             self.masters = self.params
         self.optimizer = build_optimizer(optimizer, self.masters, precision)
 
-    # ---------------------------------------------------------------- forward and backward
-    def __call__(self, *inputs):
-        dtype = self.precision.compute_dtype
-        inputs = [x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-                  for x in inputs]
-        return self.model(*inputs)
-
+    # ---------------------------------------------------------------- backward (forward: Engine)
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), on loss * scale in fp16 (raises on a NaN loss in fp32/bf16)."""
         self.precision.scale_loss(loss, step=self.steps).backward()
 
-    # ---------------------------------------------------------------- the step
-    def step(self) -> bool:
-        """One optimizer step; returns False (and changes nothing) when an overflow skips it."""
-        if self.track_peak:
-            with PeakMemory("cpu") as peak:
-                applied = self._step()
-            self.last_peak = peak.peak
-        else:
-            applied = self._step()
-        self.steps += 1
-        return applied
-
+    # ---------------------------------------------------------------- the step (Engine.step calls it)
     @torch.no_grad()
     def _step(self) -> bool:
         mixed = self.precision.policy.needs_master
@@ -158,31 +143,16 @@ class SingleProcess:
         self.model.zero_grad(set_to_none=True)
         self._drop_master_grads()
 
-    # ---------------------------------------------------------------- state
-    def full_state_dict(self) -> dict:
-        """fp32 tensors on CPU, same keys as model.state_dict(); params come from the masters."""
-        master_of = {id(p): m for p, m in zip(self.params, self.masters)}
-        converted: dict = {}  # id -> tensor, so tied weights stay one tensor
-        out = {}
-        for key, t in self.model.state_dict(keep_vars=True).items():
-            if id(t) not in converted:
-                src = master_of.get(id(t), t).detach()
-                converted[id(t)] = src.float().cpu().clone() if src.is_floating_point() else src.cpu().clone()
-            out[key] = converted[id(t)]
-        return out
+    # ---------------------------------------------------------------- state (Engine consolidates)
+    def _full_values(self) -> dict:
+        # the fp32 masters (in fp32 training, the parameters themselves)
+        return {id(p): m for p, m in zip(self.params, self.masters)}
 
-    def memory_report(self) -> dict:
-        """MEASURED bytes now: params (compute dtype), grads, optimizer (masters + state), total, peak."""
+    def _memory_tensors(self):
         params = list(self.model.parameters())
         grads = [p.grad for p in params if p.grad is not None]
         extra = self.masters if self.masters is not self.params else []
-        opt = list(extra) + optimizer_tensors(self.optimizer)
-        out = {"params": live_bytes(params), "grads": live_bytes(grads, exclude=params),
-               "optimizer": live_bytes(opt, exclude=params + grads)}
-        out["total"] = out["params"] + out["grads"] + out["optimizer"]
-        out["peak"] = self.last_peak
-        out["activations"] = None  # not tracked by the reference engine (the others measure it on request)
-        return out
+        return params, grads, list(extra) + optimizer_tensors(self.optimizer)
 
     def state_dict(self) -> dict:
         return {"model": self.full_state_dict(), "optimizer": self.optimizer.state_dict(),

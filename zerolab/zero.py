@@ -31,9 +31,11 @@ built on one flat fp32 tensor per bucket (the owned slice): it cannot tell it is
   buffers of one bucket each: the paper's constant buffer C_B, whatever the model's size
   (it grows only if more buckets are half-filled at once, and is released after backward).
 
-The class extends zerolab.ddp.NaiveDDP, which supplies what every engine shares (argument
-checks, check_same_model, the broadcast of rank 0's weights, forward, no_sync, loss scaling, the
-step's peak measurement, build_optimizer's refusal of a built optimizer). The bucket hooks are
+The class extends zerolab.ddp.NaiveDDP, which supplies what the data-parallel engines share
+(argument checks, check_same_model, the broadcast of rank 0's weights, the measured forward,
+no_sync, loss scaling, build_optimizer's refusal of a built optimizer); what every engine shares
+(the step's peak measurement, full_state_dict, memory_report) is zerolab.engines.base.Engine's,
+which asks this class for its full values (_full_values) and its tensors (_memory_tensors). The bucket hooks are
 DDP's, written again here with a reduce-scatter where DDP all-reduces (DDP's own hooks carry
 DDP-only details, so sharing them would couple the two engines' internals).
 
@@ -396,42 +398,23 @@ class ZeRO(NaiveDDP):
         self._backward_done = False
 
     # -------------------------------------------------------------- state and memory
-    @torch.no_grad()
-    def full_state_dict(self) -> dict:
-        """fp32 tensors on CPU, same keys as model.state_dict(), no padding, tied weights shared.
-
-        Every rank must call it: the fp32 master slices are all-gathered bucket by bucket.
-        """
+    def _full_values(self) -> dict:
+        """The fp32 master slices, all-gathered bucket by bucket (every rank must call
+        full_state_dict). Frozen parameters and buffers are replicated: Engine takes this rank's."""
         full_of = {}
         for b, bucket in enumerate(self.buckets.buckets):
             full = torch.empty(bucket.padded_numel, dtype=torch.float32, device=self.device)
             self.comm.all_gather(full, self.master_shards[b].detach().clone(), tag="state")
             for p, view in zip(bucket.params, bucket.views(full)):
-                full_of[id(p)] = view.cpu().clone()
-        out, converted = {}, {}
-        for key, t in self.model.state_dict(keep_vars=True).items():
-            if id(t) not in converted:
-                if id(t) in full_of:
-                    converted[id(t)] = full_of[id(t)]
-                else:   # frozen parameters and buffers are replicated: take this rank's
-                    src = t.detach()
-                    converted[id(t)] = src.float().cpu().clone() if src.is_floating_point() else src.cpu().clone()
-            out[key] = converted[id(t)]
-        return out
+                full_of[id(p)] = view
+        return full_of
 
-    def memory_report(self) -> dict:
-        """MEASURED bytes on this rank: params, grads, optimizer (fp32 master slices + moments), total, peak."""
+    def _memory_tensors(self):
         params = list(self.model.parameters())
         grads = [p.grad for p in params if p.grad is not None]
         if self.stage == 2:
             grads += [g for g in self.grad_shards if g is not None] + [a for a in self._acc32 if a is not None]
-        opt = list(self.master_shards) + optimizer_tensors(self.optimizer)
-        out = {"params": live_bytes(params), "grads": live_bytes(grads, exclude=params),
-               "optimizer": live_bytes(opt, exclude=params + grads)}
-        out["total"] = out["params"] + out["grads"] + out["optimizer"]
-        out["peak"] = self.last_peak
-        out["activations"] = self.last_activations
-        return out
+        return params, grads, list(self.master_shards) + optimizer_tensors(self.optimizer)
 
     def __repr__(self):
         return (f"ZeRO(stage={self.stage}, precision={self.precision.name!r}, world_size={self.world_size}, "

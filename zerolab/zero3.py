@@ -46,9 +46,10 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .buckets import Bucket
+from .engines.base import Engine
 from .ddp import (_check_args, broadcast_from_rank0, check_residual_options, check_same_model,
                   data_parallel_layout, enable_residual, measured_forward)
-from .memory import PeakMemory, live_bytes, optimizer_tensors
+from .memory import PeakMemory, optimizer_tensors
 from .precision import MixedPrecision, clip_grad_norm_
 from .single import build_optimizer, check_optimizer_factory
 
@@ -187,7 +188,7 @@ def _storage_alloc(t: torch.Tensor):
 # ------------------------------------------------------------------ the engine
 
 
-class ZeRO3:
+class ZeRO3(Engine):
     """ZeRO stage 3: parameters, gradients and optimizer state sharded over the ranks.
 
     precision  "fp32" | "bf16" | "fp16": units are gathered, computed and reduce-scattered in
@@ -205,6 +206,8 @@ class ZeRO3:
                raise the peak. The knob for communication granularity is `units`.
     init_fn    init_fn(name, module) for a model built on the meta device (see gpt_init).
     """
+
+    peak_meter = measure_peak   # step()'s peak also sees storage resized by gathers and releases
 
     def __init__(self, model: nn.Module, optimizer, *, precision="fp32", bucket_mb=25.0, prefetch=1,
                  max_grad_norm=None, scaler=None, units=None, track_peak=True, init_fn=None, mesh=None,
@@ -595,11 +598,8 @@ class ZeRO3:
             u.in_backward = False
 
     # -------------------------------------------------------------- forward and backward
-    def __call__(self, *inputs):
-        dtype = self.precision.compute_dtype
-        inputs = [x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-                  for x in inputs]
-        return measured_forward(self, *inputs)
+    def _forward(self, *inputs):
+        return measured_forward(self, *inputs)   # Engine.__call__ cast the inputs
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -626,18 +626,7 @@ class ZeRO3:
             self._finish_backward()
         self.last_backward["end"] = self.comm.now()
 
-    # -------------------------------------------------------------- the step
-    def step(self) -> bool:
-        """Unscale, agreed overflow check, clip across shards, update this rank's shards."""
-        if self.track_peak:
-            with measure_peak("cpu") as peak:
-                applied = self._step()
-            self.last_peak = peak.peak
-        else:
-            applied = self._step()
-        self.steps += 1
-        return applied
-
+    # -------------------------------------------------------------- the step (Engine.step calls _step)
     def _unused_mask(self, u):
         """Elements of this rank's shard that belong to parameters no rank used this step."""
         if not getattr(u, "unused_positions", None):
@@ -702,47 +691,28 @@ class ZeRO3:
                 u.master.grad = None
 
     # -------------------------------------------------------------- state and memory
-    def full_state_dict(self) -> dict:
-        """fp32 CPU tensors, the keys of model.state_dict(), padding dropped, tied weights kept.
-
-        Every rank calls it: each unit's fp32 shards are all-gathered.
-        """
+    def _full_values(self) -> dict:
+        """Each unit's fp32 shards, all-gathered (every rank calls full_state_dict): gathered on
+        the shards' own device (a collective takes one device); Engine copies them to the CPU."""
         value_of = {}
         for u in self.units:
             for kind, b in u.buckets.items():
                 src = u.master.data if (kind == "train") else u.shard[kind]
-                # gathered on the shards' own device (a collective takes one device), then to the CPU
                 full = torch.empty(b.padded_numel, dtype=src.dtype, device=src.device)
                 self.comm.all_gather(full, src.contiguous(), tag="state")
                 for p, view in zip(b.params, b.views(full)):
-                    value_of[id(p)] = view.float().cpu().clone()
-        out, converted = {}, {}
-        for key, t in self.model.state_dict(keep_vars=True).items():
-            if id(t) in value_of:
-                out[key] = value_of[id(t)]
-            else:
-                if id(t) not in converted:
-                    converted[id(t)] = t.detach().float().cpu().clone() if t.is_floating_point() \
-                        else t.detach().cpu().clone()
-                out[key] = converted[id(t)]
-        return out
+                    value_of[id(p)] = view
+        return value_of
 
-    def memory_report(self) -> dict:
-        """MEASURED bytes on this rank: params (shards + whatever is gathered now), grads,
-        optimizer (fp32 master shards when mixed + moments), total, peak (of the last step())."""
+    def _memory_tensors(self):
+        # params: the shards and whatever is gathered now; optimizer: fp32 master shards when mixed
         params = [s for u in self.units for s in u.shard.values()]
         params += [f for u in self.units for f in u.full.values()]
         grads = [u.grad_shard for u in self.units if u.grad_shard is not None]
         grads += [u.grad_full for u in self.units if u.grad_full is not None]
         masters = [u.master for u in self.units if u.master is not None] \
             if self.precision.policy.needs_master else []
-        opt = masters + optimizer_tensors(self.optimizer)
-        out = {"params": live_bytes(params), "grads": live_bytes(grads, exclude=params),
-               "optimizer": live_bytes(opt, exclude=params + grads)}
-        out["total"] = out["params"] + out["grads"] + out["optimizer"]
-        out["peak"] = self.last_peak
-        out["activations"] = self.last_activations
-        return out
+        return params, grads, masters + optimizer_tensors(self.optimizer)
 
     # -------------------------------------------------------------- facts for the chapter
     def unit_sizes(self) -> dict:
