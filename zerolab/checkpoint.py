@@ -42,6 +42,8 @@ import secrets
 
 import torch
 
+from .engines.base import Engine
+
 FORMAT = 1
 METADATA = "metadata.json"
 
@@ -53,25 +55,18 @@ class CheckpointError(RuntimeError):
 # ------------------------------------------------------------------ what each engine owns
 #
 # A segment says: elements [t_lo, t_lo + hi - lo) of tensor.view(-1) are elements [lo, hi) of
-# parameter `name` (flattened). Every engine is described by three lists of segments:
+# parameter `name` (flattened). Every engine describes itself by two lists of segments
+# (Engine.checkpoint_segments):
 #   opt     the tensors the optimizer updates (fp32 masters), with their optimizer state
 #   frozen  frozen parameters this rank holds
-#   save    which of those this rank writes (replicated engines: 1/N of each)
+# and says which are replicated (held whole by every rank: then each rank writes 1/N of them).
 
 
 def _kind(engine) -> str:
-    if hasattr(engine, "units"):
-        return "zero3"
-    if hasattr(engine, "master_shards"):
-        return f"zero{engine.stage}"
-    if hasattr(engine, "buckets") and hasattr(engine, "master_flats"):
-        return "ddp"
-    if hasattr(engine, "world_size") and hasattr(engine, "masters"):
-        return "naive_ddp"
-    if hasattr(engine, "masters") and hasattr(engine, "optimizer"):
-        return "single"
-    raise TypeError(f"engine must be a zerolab engine (SingleProcess, DDP, NaiveDDP, ZeRO, ZeRO3), "
-                    f"got {type(engine).__name__}")
+    if not isinstance(engine, Engine):
+        raise TypeError(f"engine must be a zerolab engine (SingleProcess, DDP, NaiveDDP, ZeRO, ZeRO3), "
+                        f"got {type(engine).__name__}")
+    return engine.checkpoint_kind
 
 
 def _names(model) -> dict:
@@ -97,45 +92,6 @@ def _dist_rank(engine):
     return 0
 
 
-def _flat_segments(tensor, bucket, shard, names):
-    """Segments of a tensor that holds slice `shard` of a flat padded bucket."""
-    out = []
-    for p, o, n in zip(bucket.params, bucket.offsets, bucket.sizes):
-        lo, hi = max(o, shard.start), min(o + n, shard.stop)
-        if lo < hi:
-            out.append((tensor, lo - shard.start, names[id(p)], lo - o, hi - o))
-    return out
-
-
-def _segments(engine):
-    """(opt segments, frozen segments, replicated?) for this rank of `engine`."""
-    kind, model = _kind(engine), engine.model
-    names = _names(model)
-    frozen_params = [p for p in model.parameters() if not p.requires_grad]
-    if kind == "zero3":
-        opt, frozen = [], []
-        for u in engine.units:
-            if "train" in u.buckets:
-                b = u.buckets["train"]
-                opt += _flat_segments(u.master, b, b.shard(engine.rank), names)
-            if "frozen" in u.buckets:
-                b = u.buckets["frozen"]
-                frozen += _flat_segments(u.shard["frozen"], b, b.shard(engine.rank), names)
-        return opt, frozen, False
-    frozen = [(p, 0, names[id(p)], 0, p.numel()) for p in frozen_params]
-    if kind in ("zero1", "zero2"):
-        opt = []
-        for b, bucket in enumerate(engine.buckets.buckets):
-            opt += _flat_segments(engine.master_shards[b], bucket, engine.shards[b], names)
-        return opt, frozen, False
-    if kind == "ddp":   # the optimizer updates one flat tensor per whole bucket
-        opt = []
-        for f, bucket in zip(engine.param_flats, engine.buckets.buckets):
-            opt += _flat_segments(f, bucket, slice(0, bucket.padded_numel), names)
-        return opt, frozen, True
-    # single, naive_ddp: one master per parameter, in engine.params order
-    opt = [(m, 0, names[id(p)], 0, p.numel()) for p, m in zip(engine.params, engine.masters)]
-    return opt, frozen, True
 
 
 def _split(segments, rank, size):
@@ -151,23 +107,8 @@ def _split(segments, rank, size):
 
 def _refresh_compute(engine, reader):
     """After the masters are loaded: make the compute copies (what forward uses) match them."""
-    kind = _kind(engine)
-    mixed = engine.precision.policy.needs_master
-    with torch.no_grad():
-        if kind == "zero3":
-            if mixed:
-                for u in engine.units:
-                    if u.master is not None:
-                        u.shard["train"].copy_(u.master)
-        elif kind in ("zero1", "zero2"):
-            # every rank holds the whole compute model (in fp32 the master shard is a view
-            # into it): read each parameter whole, as the all-gather after a step would
-            names = _names(engine.model)
-            for p in engine.params:
-                reader.fill(p.data.view(-1), names[id(p)], 0, p.numel(), "value")
-        elif mixed:
-            for p, m in zip(engine.params, engine.masters):
-                p.data.copy_(m)
+    names = _names(engine.model)
+    engine.refresh_compute(lambda flat, p: reader.fill(flat, names[id(p)], 0, p.numel(), "value"))
 
 
 # ------------------------------------------------------------------ saving
@@ -237,10 +178,11 @@ def save(engine, path, extra: dict | None = None) -> str:
     if kind == "single" and _dist_rank(engine) != 0:
         return os.path.join(path, METADATA)   # replicas of the reference: rank 0 speaks for all
     rank, size = _rank_size(engine)
-    opt_segments, frozen_segments, replicated = _segments(engine)
-    if replicated:
-        opt_segments, frozen_segments = _split(opt_segments, rank, size), _split(frozen_segments, rank, size)
-    elif kind != "zero3":   # ZeRO-1/2: frozen parameters are replicated
+    opt_segments, frozen_segments, opt_replicated, frozen_replicated = \
+        engine.checkpoint_segments(_names(engine.model))
+    if opt_replicated:
+        opt_segments = _split(opt_segments, rank, size)
+    if frozen_replicated:
         frozen_segments = _split(frozen_segments, rank, size)
     os.makedirs(path, exist_ok=True)
     # one fresh id per save, the same on every rank: rank 0's random number wins
@@ -458,7 +400,7 @@ def load(engine, path) -> dict:
     if len(info["param_groups"]) != len(engine.optimizer.param_groups):
         raise CheckpointError(f"{reader.meta_path}: the optimizer has {len(engine.optimizer.param_groups)} "
                               f"param groups, the checkpoint {len(info['param_groups'])}")
-    opt_segments, frozen_segments, _ = _segments(engine)
+    opt_segments, frozen_segments, _, _ = engine.checkpoint_segments(_names(engine.model))
     optimizer = engine.optimizer
     with torch.no_grad():
         by_tensor: dict = {}

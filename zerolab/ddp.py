@@ -51,7 +51,7 @@ import torch
 
 from .buckets import FlatBuckets, bucket_order, held_still, unreached_ranges
 from .comm import Ledger
-from .engines.base import Engine
+from .engines.base import Engine, flat_segments
 from .launch import rank as _rank
 from .launch import world_size as _world_size
 from .memory import AllocationTracker, optimizer_tensors, settled
@@ -212,6 +212,7 @@ class NaiveDDP(Engine):
     """Data parallelism the obvious way: after backward, all-reduce each gradient, one by one."""
 
     flat_optimizer = None   # the optimizer steps parameter by parameter (DDP, ZeRO: flat buffers)
+    checkpoint_kind = "naive_ddp"
 
     def __init__(self, model: torch.nn.Module, optimizer, *, precision="fp32", max_grad_norm=None,
                  scaler=None, track_peak: bool = True, mesh=None, checkpoint_activations=False,
@@ -415,6 +416,7 @@ class DDP(NaiveDDP):
     """
 
     flat_optimizer = "zl.DDP"   # the optimizer steps on one flat tensor per bucket
+    checkpoint_kind = "ddp"
 
     def __init__(self, model: torch.nn.Module, optimizer, *, precision="fp32", bucket_mb=25.0,
                  max_grad_norm=None, scaler=None, track_peak: bool = True, overlap: bool = True,
@@ -615,3 +617,9 @@ class DDP(NaiveDDP):
 
     def _master_tensors(self) -> list:
         return self.master_flats or []
+
+    def checkpoint_segments(self, names):
+        # the optimizer updates one flat tensor per whole bucket, replicated on every rank
+        opt = [s for f, bucket in zip(self.param_flats, self.buckets.buckets)
+               for s in flat_segments(f, bucket, slice(0, bucket.padded_numel), names)]
+        return opt, self._frozen_segments(names), True, True

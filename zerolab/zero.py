@@ -76,6 +76,7 @@ from __future__ import annotations
 import torch
 
 from .buckets import FlatBuckets, held_still, unreached_ranges
+from .engines.base import flat_segments
 from .ddp import NaiveDDP, _check_args
 from .memory import live_bytes, optimizer_tensors
 from .precision import check_precision, clip_grad_norm_
@@ -398,6 +399,23 @@ class ZeRO(NaiveDDP):
         self._backward_done = False
 
     # -------------------------------------------------------------- state and memory
+    @property
+    def checkpoint_kind(self) -> str:
+        return f"zero{self.stage}"
+
+    def checkpoint_segments(self, names):
+        # this rank's master slices (its own); frozen parameters are replicated
+        opt = [s for b, bucket in enumerate(self.buckets.buckets)
+               for s in flat_segments(self.master_shards[b], bucket, self.shards[b], names)]
+        return opt, self._frozen_segments(names), False, True
+
+    @torch.no_grad()
+    def refresh_compute(self, fill) -> None:
+        # every rank holds the whole compute model (in fp32 the master slice is a view into
+        # it): read each parameter whole, as the all-gather after a step would
+        for p in self.params:
+            fill(p.data.view(-1), p)
+
     def _full_values(self) -> dict:
         """The fp32 master slices, all-gathered bucket by bucket (every rank must call
         full_state_dict). Frozen parameters and buffers are replicated: Engine takes this rank's."""

@@ -46,7 +46,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .buckets import Bucket
-from .engines.base import Engine
+from .engines.base import Engine, flat_segments
 from .ddp import (_check_args, broadcast_from_rank0, check_residual_options, check_same_model,
                   data_parallel_layout, enable_residual, measured_forward)
 from .memory import PeakMemory, optimizer_tensors
@@ -208,6 +208,7 @@ class ZeRO3(Engine):
     """
 
     peak_meter = measure_peak   # step()'s peak also sees storage resized by gathers and releases
+    checkpoint_kind = "zero3"
 
     def __init__(self, model: nn.Module, optimizer, *, precision="fp32", bucket_mb=25.0, prefetch=1,
                  max_grad_norm=None, scaler=None, units=None, track_peak=True, init_fn=None, mesh=None,
@@ -691,6 +692,25 @@ class ZeRO3(Engine):
                 u.master.grad = None
 
     # -------------------------------------------------------------- state and memory
+    def checkpoint_segments(self, names):
+        # each unit's own shards: the fp32 master of what trains, the shard of what is frozen
+        opt, frozen = [], []
+        for u in self.units:
+            if "train" in u.buckets:
+                b = u.buckets["train"]
+                opt += flat_segments(u.master, b, b.shard(self.rank), names)
+            if "frozen" in u.buckets:
+                b = u.buckets["frozen"]
+                frozen += flat_segments(u.shard["frozen"], b, b.shard(self.rank), names)
+        return opt, frozen, False, False
+
+    @torch.no_grad()
+    def refresh_compute(self, fill) -> None:
+        if self.precision.policy.needs_master:
+            for u in self.units:
+                if u.master is not None:
+                    u.shard["train"].copy_(u.master)
+
     def _full_values(self) -> dict:
         """Each unit's fp32 shards, all-gathered (every rank calls full_state_dict): gathered on
         the shards' own device (a collective takes one device); Engine copies them to the CPU."""

@@ -12,7 +12,10 @@ when they travel. What does not differ lives here:
   gets an fp32 CPU copy, tied weights one tensor under both keys, buffers and frozen
   parameters from the model itself;
 * memory_report() measures: the engine lists the tensors it holds as parameters, gradients and
-  optimizer state (`_memory_tensors`), and live storage is counted once each.
+  optimizer state (`_memory_tensors`), and live storage is counted once each;
+* zerolab.checkpoint asks the engine, never its internals, what to write and read: its name in
+  the metadata (`checkpoint_kind`), the pieces of parameters this rank holds
+  (`checkpoint_segments`) and how to rebuild the compute copy after a load (`refresh_compute`).
 
 A subclass sets, in its __init__: model, precision, steps, track_peak, last_peak,
 last_activations, optimizer, and defines _step, _full_values and _memory_tensors.
@@ -23,6 +26,18 @@ from __future__ import annotations
 import torch
 
 from ..memory import PeakMemory, live_bytes
+
+
+def flat_segments(tensor, bucket, shard, names) -> list:
+    """Checkpoint segments of `tensor`, which holds slice `shard` of the flat padded `bucket`
+    (zerolab.buckets.Bucket): one (tensor, offset in it, parameter name, lo, hi) per parameter
+    that overlaps the slice, elements [lo, hi) of that parameter flattened."""
+    out = []
+    for p, o, n in zip(bucket.params, bucket.offsets, bucket.sizes):
+        lo, hi = max(o, shard.start), min(o + n, shard.stop)
+        if lo < hi:
+            out.append((tensor, lo - shard.start, names[id(p)], lo - o, hi - o))
+    return out
 
 
 class Engine:
@@ -90,3 +105,28 @@ class Engine:
         out["peak"] = self.last_peak
         out["activations"] = self.last_activations
         return out
+
+    # -------------------------------------------------------------- what a checkpoint holds
+    checkpoint_kind = "single"     # the engine's name in a checkpoint's metadata
+
+    def checkpoint_segments(self, names: dict):
+        """(optimizer segments, frozen segments, optimizer replicated?, frozen replicated?).
+
+        A segment (tensor, t_lo, name, lo, hi) says: elements [t_lo, t_lo + hi - lo) of
+        tensor.view(-1) are elements [lo, hi) of parameter `name` flattened; `names` maps
+        id(parameter) to its name. Optimizer segments are the tensors the optimizer updates (the
+        fp32 masters), whose optimizer state is saved beside them. Replicated pieces are held
+        whole by every rank, so each rank writes 1/N of them. Here: one master per parameter."""
+        opt = [(m, 0, names[id(p)], 0, p.numel()) for p, m in zip(self.params, self.masters)]
+        return opt, self._frozen_segments(names), True, True
+
+    def _frozen_segments(self, names: dict) -> list:
+        return [(p, 0, names[id(p)], 0, p.numel()) for p in self.model.parameters() if not p.requires_grad]
+
+    @torch.no_grad()
+    def refresh_compute(self, fill) -> None:
+        """After a load wrote the masters: make the compute copies (what forward uses) match.
+        fill(flat, p) copies parameter p's saved value into the flat tensor."""
+        if self.precision.policy.needs_master:
+            for p, m in zip(self.params, self.masters):
+                p.data.copy_(m)
