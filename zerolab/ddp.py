@@ -38,171 +38,22 @@ Each rank sends 2 (N-1)/N of the gradient bytes per step: the paper's "2 Psi".
 
 Every engine also takes mesh= (data parallelism over mesh.dp_group only, for a model that
 is tensor-parallel over mesh.mp_group) and the activation-checkpointing options of ZeRO-R;
-see data_parallel_layout and check_residual_options below.
+see data_parallel_layout and check_residual_options in zerolab.engines.setup.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-import zlib
 
 import torch
 
 from .buckets import FlatBuckets, bucket_order, held_still, unreached_ranges
-from .comm import Ledger
 from .engines.base import Engine, flat_segments
-from .launch import rank as _rank
-from .launch import world_size as _world_size
-from .memory import AllocationTracker, optimizer_tensors, settled
+from .engines.setup import (_check_args, broadcast_from_rank0, check_residual_options, check_same_model,
+                            data_parallel_layout, enable_residual, measured_forward)
+from .memory import optimizer_tensors
 from .precision import MixedPrecision, clip_grad_norm_
 from .single import build_optimizer, check_optimizer_factory
-
-
-# ------------------------------------------------------------------ checks at construction
-
-
-def _check_args(model, bucket_mb, max_grad_norm):
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0 \
-            or not math.isfinite(bucket_mb):
-        raise ValueError(f"bucket_mb must be a number > 0 (megabytes per bucket), got {bucket_mb!r}")
-    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not
-                                      isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0):
-        raise ValueError(f"max_grad_norm must be None or a number > 0; got {max_grad_norm!r}")
-    devices = {}
-    for name, p in model.named_parameters():
-        devices.setdefault(p.device, name)
-    if len(devices) > 1:
-        where = ", ".join(f"{name!r} on {dev}" for dev, name in devices.items())
-        raise ValueError(f"all parameters must be on one device; found {where}. Move the model "
-                         "with model.to(zl.device()) before wrapping it.")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError("the model has no trainable parameters (every parameter has "
-                         "requires_grad=False): there is nothing for data parallelism to train")
-
-
-def _signature(model) -> list:
-    """(name, one int per parameter) describing every parameter's name, shape and dtype."""
-    rows = []
-    for name, p in model.named_parameters():
-        text = f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}"
-        rows.append((f"{name} {tuple(p.shape)} {str(p.dtype).replace('torch.', '')}"
-                     f"{'' if p.requires_grad else ' frozen'}", zlib.crc32(text.encode())))
-    return rows
-
-
-def check_same_model(model, ledger: Ledger, src: int = 0) -> None:
-    """Raise on every rank, naming the first parameter where some rank differs from rank `src`.
-
-    The comparison runs over the ledger's group (the dp group under a Mesh, whose first
-    global rank is `src`). All ranks take part in the same three collectives whatever they
-    find, so a mismatch ends the job with an error instead of a hang.
-    """
-    rows = _signature(model)
-    length = torch.tensor([len(rows)], dtype=torch.int64)
-    ledger.all_reduce(length, op="max", tag="setup")
-    n = int(length.item())
-    mine = torch.full((n,), -1, dtype=torch.int64)
-    mine[:len(rows)] = torch.tensor([h for _, h in rows], dtype=torch.int64)
-    ref = mine.clone()
-    ledger.broadcast(ref, src=src, tag="setup")
-    differs = (mine != ref).nonzero()
-    first = torch.tensor([int(differs[0]) if len(differs) else n], dtype=torch.int64)
-    ledger.all_reduce(first, op="min", tag="setup")
-    i = int(first.item())
-    if i < n:
-        here = rows[i][0] if i < len(rows) else "(no parameter)"
-        raise ValueError(f"the ranks' models differ: parameter #{i} is {here} on this rank but "
-                         f"not the same on some rank (compared with rank {src}). Every rank must "
-                         f"build the same model.")
-
-
-def broadcast_from_rank0(tensors, ledger: Ledger, src: int = 0) -> None:
-    """Copy rank `src`'s values (the group's first rank) into `tensors`, one broadcast per dtype."""
-    by_dtype: dict = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    with torch.no_grad():
-        for dtype, ts in by_dtype.items():
-            flat = torch.cat([t.reshape(-1) for t in ts])
-            ledger.broadcast(flat, src=src, tag="setup")
-            for t, chunk in zip(ts, flat.split([t.numel() for t in ts])):
-                t.copy_(chunk.view_as(t))
-
-
-# ------------------------------------------------------------------ the mesh and ZeRO-R options
-
-
-def data_parallel_layout(mesh):
-    """(ledger, dp size, dp rank, source rank of the setup broadcasts) for an engine.
-
-    Without a mesh every launched rank is a data-parallel rank. With one, an engine works
-    over mesh.dp_group only: the mp ranks of a tensor-parallel model hold DIFFERENT shards,
-    so they must neither be averaged together nor compared with each other.
-    """
-    if mesh is None:
-        return Ledger(), _world_size(), _rank(), 0
-    return Ledger(group=mesh.dp_group), mesh.dp, mesh.dp_rank, mesh.dp_ranks[0]
-
-
-def check_residual_options(model, mesh, *, precision="fp32", max_grad_norm=None,
-                           checkpoint_activations=False, partition_activations=False,
-                           offload_activations=False, track_activations=None) -> None:
-    """Refuse bad mesh / ZeRO-R options before any collective (so no rank can hang)."""
-    from .mesh import Mesh
-    if mesh is not None and not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a zl.Mesh (or None), got {type(mesh).__name__}")
-    for name, v in (("checkpoint_activations", checkpoint_activations),
-                    ("partition_activations", partition_activations),
-                    ("offload_activations", offload_activations)):
-        if not isinstance(v, bool):
-            raise TypeError(f"{name} must be True or False, got {v!r}")
-    if track_activations is not None and not isinstance(track_activations, bool):
-        raise TypeError(f"track_activations must be None (automatic), True or False, got {track_activations!r}")
-    if (partition_activations or offload_activations) and not checkpoint_activations:
-        which = "partition_activations" if partition_activations else "offload_activations"
-        raise ValueError(f"{which}=True acts on activation checkpoints: it needs "
-                         "checkpoint_activations=True as well")
-    if checkpoint_activations and getattr(model, "run_block", None) is not None:
-        raise ValueError("activation checkpointing is already enabled on this model (by "
-                         "zl.checkpointing.enable or an earlier engine); enable it once: pass the "
-                         "options to the engine and not to enable(), or the other way round")
-    if mesh is not None and mesh.mp > 1:
-        # the mp ranks hold different shards: these would need the mp group too
-        if max_grad_norm is not None:
-            raise ValueError("max_grad_norm with a mesh of mp > 1 is not supported: the norm "
-                             "would miss the other mp ranks' shards. Use max_grad_norm=None.")
-        if precision == "fp16":
-            raise ValueError("precision='fp16' with a mesh of mp > 1 is not supported: the mp "
-                             "ranks would not agree on overflow skips. Use 'fp32' or 'bf16'.")
-
-
-def enable_residual(model, mesh, checkpoint_activations, partition_activations, offload_activations):
-    """zl.checkpointing.enable with the engine's options; None when checkpointing is off."""
-    if not checkpoint_activations:
-        return None
-    from . import checkpointing
-    return checkpointing.enable(model, mesh, partition_activations=partition_activations,
-                                offload_activations=offload_activations)
-
-
-def measured_forward(engine, *inputs):
-    """engine.model(*inputs); with track_activations, also the bytes the forward leaves alive.
-
-    Those bytes (saved tensors, checkpoints, offloaded slices, the output) are what backward
-    needs: memory_report()["activations"]. MEASURED with an allocation tracker, never derived.
-    """
-    if not engine.track_activations:
-        return engine.model(*inputs)
-    with AllocationTracker() as tracker:
-        out = engine.model(*inputs)
-    mesh = getattr(engine, "mesh", None)
-    # tensor parallelism all-reduces inside forward, and gloo's worker thread may hold the
-    # last tensor for a moment after the call returned: let the count settle
-    engine.last_activations = settled(tracker, 0.1) if mesh is not None and mesh.mp > 1 else tracker.current
-    return out
 
 
 # ------------------------------------------------------------------ the engines

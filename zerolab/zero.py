@@ -77,7 +77,8 @@ import torch
 
 from .buckets import FlatBuckets, held_still, unreached_ranges
 from .engines.base import flat_segments
-from .ddp import NaiveDDP, _check_args
+from .ddp import NaiveDDP
+from .engines.setup import _check_args
 from .memory import live_bytes, optimizer_tensors
 from .precision import check_precision, clip_grad_norm_
 

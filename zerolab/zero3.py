@@ -47,8 +47,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .buckets import Bucket
 from .engines.base import Engine, flat_segments
-from .ddp import (_check_args, broadcast_from_rank0, check_residual_options, check_same_model,
-                  data_parallel_layout, enable_residual, measured_forward)
+from .engines.setup import (_check_args, broadcast_from_rank0, check_residual_options, check_same_model,
+                            data_parallel_layout, enable_residual, measured_forward)
 from .memory import PeakMemory, optimizer_tensors
 from .precision import MixedPrecision, clip_grad_norm_
 from .single import build_optimizer, check_optimizer_factory

@@ -23,7 +23,7 @@ import torch
 from .. import engines
 from ..comm import Ledger
 from ..data import CharDataset
-from ..ddp import broadcast_from_rank0
+from ..engines.setup import broadcast_from_rank0
 from ..launch import rank as _rank, world_size as _world_size
 from ..memory import live_bytes, model_state_bytes, optimizer_tensors
 from ..models import GPT, gpt_config, gpt_loss, num_params
