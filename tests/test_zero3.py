@@ -21,7 +21,9 @@ from zerolab.launch import LaunchError
 from zerolab.memory import AllocationTracker, saved_activation_bytes
 from zerolab.models import GPT, AwkwardModel, gpt_config, gpt_loss, regression_loss
 from zerolab.single import SingleProcess
-from zerolab.zero3 import ZeRO3, gpt_init, measure_peak
+from zerolab.models import gpt_init
+from zerolab.units import measure_peak
+from zerolab.zero3 import ZeRO3
 
 STEPS = 3
 # eps=1e-6 bounds how much Adam amplifies summation-order rounding (tests/tolerances.py)

@@ -8,6 +8,7 @@ later uses as its units. Sizes are named so the CLI and the chapters agree on th
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -206,3 +207,25 @@ def regression_loss(model: nn.Module, batch):
     x, y = batch
     out = model(x)
     return out, F.mse_loss(out.float(), y)
+
+
+# ------------------------------------------------------------------ initialising on meta (ZeRO-3)
+
+
+def gpt_init(n_layer: int):
+    """init_fn(name, module) for a GPT with n_layer blocks built on the meta device.
+
+    GPT-2 style (normal(0, 0.02), zero biases, residual projections scaled by depth), each
+    module seeded by its NAME, so every rank draws the same values and a normal GPT given
+    `for n, m in model.named_modules(): init(n, m)` ends with exactly the same weights.
+    """
+    def init(name: str, module: nn.Module) -> None:
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        if isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("proj") else 0.02
+            module.weight.normal_(0.0, std, generator=g)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                module.bias.zero_()
+    return init

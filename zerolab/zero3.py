@@ -31,15 +31,16 @@ parameters live the life of a state machine (the events in `engine.events`):
 
 Per step each rank sends (N-1)/N of the parameter bytes three times: all-gather in forward,
 all-gather in backward, reduce-scatter of the gradients, the paper's 3 Psi (1.5x DDP).
+
+What a unit is (Unit, find_units, freeing storage by resizing it, and measure_peak, which counts
+those resizes) lives in zerolab.units; initialising a GPT built on the meta device
+(gpt_init) in zerolab.models.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
-import zlib
-from collections import namedtuple
 
 import torch
 import torch.nn as nn
@@ -49,140 +50,10 @@ from .buckets import Bucket
 from .engines.base import Engine, flat_segments
 from .engines.setup import (_check_args, broadcast_from_rank0, check_residual_options, check_same_model,
                             data_parallel_layout, enable_residual, measured_forward)
-from .memory import PeakMemory, optimizer_tensors
+from .memory import optimizer_tensors
 from .precision import MixedPrecision, clip_grad_norm_
 from .single import build_optimizer, check_optimizer_factory
-
-Event = namedtuple("Event", "time rank unit state phase")
-"""One step of a unit's lifecycle: state is gathering | gathered | in_use | reduce_scatter | released."""
-
-
-# ------------------------------------------------------------------ finding the units
-
-
-def find_units(model: nn.Module, units=None):
-    """[(name, module)] of the non-root units, and a note when none could be found.
-
-    Default: the children of the model's largest ModuleList / Sequential (by parameters).
-    `units` may name modules ("blocks.0") or pass the modules themselves.
-    """
-    named = dict(model.named_modules())
-    if units is not None:
-        out = []
-        by_id = {id(m): n for n, m in named.items()}
-        for u in units:
-            if isinstance(u, str):
-                if u not in named or u == "":
-                    raise ValueError(f"units: no submodule named {u!r} in the model")
-                out.append((u, named[u]))
-            elif isinstance(u, nn.Module) and id(u) in by_id and u is not model:
-                out.append((by_id[id(u)], u))
-            else:
-                raise ValueError(f"units: {u!r} is not a submodule of the model (nor its name)")
-        return out, None
-    best, best_size = None, 0
-    for name, m in named.items():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and m is not model:
-            size = sum(p.numel() for p in m.parameters())
-            if size > best_size:
-                best, best_size = name, size
-    if best is None:
-        return [], (f"ZeRO3: {type(model).__name__} has no nn.ModuleList or nn.Sequential to cut "
-                    "into units; the whole model is ONE root unit (gathered whole for forward and "
-                    "backward). Pass units=[...] to name submodules as units.")
-    return [(f"{best}.{n}", m) for n, m in named[best].named_children()
-            if any(True for _ in m.parameters())], None
-
-
-class Unit:
-    """A group of parameters gathered and freed together: one flat buffer per kind.
-
-    `train` holds the trainable parameters (gradients, optimizer state), `frozen` the rest
-    (gathered like the others, never reduced, no optimizer state).
-    """
-
-    def __init__(self, index, name, module, params):
-        self.index, self.name, self.module = index, name, module
-        self.params = params            # original parameters, in model.parameters() order
-        self.buckets = {}               # "train" / "frozen" -> Bucket
-        self.full = {}                  # kind -> the full flat buffer (storage resized to 0 when free)
-        self.shard = {}                 # kind -> this rank's shard, compute dtype
-        self.handles = {}               # kind -> Handle of an all-gather in flight
-        self.gathered = False
-        self.grad_full = None           # full gradient while backward produces it
-        self.rs_handle = None
-        self.reset_backward()
-
-    def reset_backward(self):
-        self.n_acc = 0                  # trainable params whose gradient was accumulated
-        self.in_backward = False
-        self.input_hooks_out = 0        # input-gradient hooks set up in forward ...
-        self.input_hooks_in = 0         # ... and fired in backward
-        self.reduced = False
-        self.used = set()               # positions (in the train bucket) that got a gradient
-
-    @property
-    def numel(self):
-        return sum(b.padded_numel for b in self.buckets.values())
-
-
-class _InputsGradDone(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward runs once the unit's backward is finished."""
-
-    @staticmethod
-    def forward(ctx, engine, unit, *tensors):
-        ctx.engine, ctx.unit = engine, unit
-        return tensors if len(tensors) != 1 else tensors[0]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.engine._on_inputs_grad(ctx.unit)
-        return (None, None) + grads
-
-
-# Resizing a storage is not an aten operation, so the CPU AllocationTracker behind
-# PeakMemory cannot see it: the gathered buffers report their own allocations and frees to
-# every region opened with measure_peak() (CUDA's allocator sees them without help).
-_ACTIVE: list = []
-
-
-def _note(delta: int, key=None) -> None:
-    for tr in _ACTIVE:
-        if key is not None and key in tr._live:   # allocated by an op inside the region
-            delta = -tr._live.pop(key)
-        tr.current += delta
-        tr.peak = max(tr.peak, tr.current)
-
-
-class measure_peak(PeakMemory):
-    """PeakMemory that also counts ZeRO-3's gathered buffers (allocated by resizing storage)."""
-
-    def __enter__(self):
-        super().__enter__()
-        if self._tracker is not None:
-            _ACTIVE.append(self._tracker)
-        return self
-
-    def __exit__(self, *exc):
-        if self._tracker in _ACTIVE:
-            _ACTIVE.remove(self._tracker)
-        return super().__exit__(*exc)
-
-
-def _storage_free(t: torch.Tensor):
-    st = t.untyped_storage()
-    if st.nbytes():
-        key = (st.device.type, st.device.index, st.data_ptr())
-        nbytes = st.nbytes()
-        st.resize_(0)
-        _note(-nbytes, key)
-
-
-def _storage_alloc(t: torch.Tensor):
-    nbytes = t.numel() * t.element_size()
-    if t.untyped_storage().nbytes() != nbytes:
-        t.untyped_storage().resize_(nbytes)
-        _note(nbytes)
+from .units import Event, Unit, _InputsGradDone, _storage_alloc, _storage_free, find_units, measure_peak
 
 
 # ------------------------------------------------------------------ the engine
@@ -204,7 +75,7 @@ class ZeRO3(Engine):
                per unit), because a unit is what one forward needs whole. Splitting it into
                buckets would add collectives without lowering the peak; merging units would
                raise the peak. The knob for communication granularity is `units`.
-    init_fn    init_fn(name, module) for a model built on the meta device (see gpt_init).
+    init_fn    init_fn(name, module) for a model built on the meta device (see zerolab.models.gpt_init).
     """
 
     peak_meter = measure_peak   # step()'s peak also sees storage resized by gathers and releases
@@ -742,25 +613,3 @@ class ZeRO3(Engine):
     @property
     def num_params(self) -> int:
         return sum(b.numel for u in self.units for b in u.buckets.values())
-
-
-# ------------------------------------------------------------------ initialising on meta
-
-
-def gpt_init(n_layer: int):
-    """init_fn(name, module) for a GPT with n_layer blocks built on the meta device.
-
-    GPT-2 style (normal(0, 0.02), zero biases, residual projections scaled by depth), each
-    module seeded by its NAME, so every rank draws the same values and a normal GPT given
-    `for n, m in model.named_modules(): init(n, m)` ends with exactly the same weights.
-    """
-    def init(name: str, module: nn.Module) -> None:
-        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-        if isinstance(module, nn.LayerNorm):
-            module.reset_parameters()
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("proj") else 0.02
-            module.weight.normal_(0.0, std, generator=g)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                module.bias.zero_()
-    return init
