@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerolab.buckets import FlatBuckets
-from zerolab.checkpoint import _flat_segments
+from zerolab.engines.base import flat_segments
 
 shapes = st.lists(st.lists(st.integers(1, 6), min_size=0, max_size=3).map(tuple), min_size=1, max_size=7)
 
@@ -44,7 +44,7 @@ def test_shard_then_gather_returns_every_parameter(shapes, world_size, bucket_el
         assert not gathered[b.numel:].any(), "padding is zero"
         # the checkpoint's pieces of each rank's shard cover every element exactly once
         for r, s in enumerate(slices):
-            for _, t_lo, name, lo, hi in _flat_segments(shards[r], b, s, names):
+            for _, t_lo, name, lo, hi in flat_segments(shards[r], b, s, names):
                 covered[name].append((lo, hi))
                 value = originals[int(name[1:])].reshape(-1)[lo:hi]
                 assert torch.equal(shards[r][t_lo:t_lo + hi - lo], value)
