@@ -7,7 +7,7 @@ on the GPU in bf16. World 2 runs two ranks on the one GPU over gloo (CUDA tensor
 through the host: communication is slow and really happens, so there is something to hide);
 world 1 runs NCCL, where a collective has nothing to move. Times are host-clock, after a
 torch.cuda.synchronize() at each step's end; "overlap" is the share of the gradient
-communication's time that ran before the backward's compute ended (zerolab.timeline).
+communication's time that ran before the backward's compute ended (zerolab.book.timeline).
 """
 
 from __future__ import annotations

@@ -547,9 +547,9 @@ def offload_worker(cfg_name, batch, warmup=2, steps=5, stage=2):
 def ddp_overlap_worker(cfg_name, batch, bucket_mb=25.0, warmup=2, steps=5, precision="bf16"):
     """Chapter 5's three DDPs (naive, bucketed, overlapped) on CUDA tensors: median step, and in
     the last step how much of the gradient communication ran before backward's compute ended
-    (zerolab.timeline.overlap_fraction over the ledger's records, host clock)."""
+    (zerolab.book.timeline.overlap_fraction over the ledger's records, host clock)."""
     from zerolab.ddp import DDP, NaiveDDP
-    from zerolab.timeline import overlap_fraction
+    from zerolab.book.timeline import overlap_fraction
     rank, n = dist.get_rank(), dist.get_world_size()
     dev = compute_device()
     cuda = dev.type == "cuda"
