@@ -548,7 +548,8 @@ def ddp_overlap_worker(cfg_name, batch, bucket_mb=25.0, warmup=2, steps=5, preci
     """Chapter 5's three DDPs (naive, bucketed, overlapped) on CUDA tensors: median step, and in
     the last step how much of the gradient communication ran before backward's compute ended
     (zerolab.book.timeline.overlap_fraction over the ledger's records, host clock)."""
-    from zerolab.ddp import DDP, NaiveDDP
+    from zerolab.engines.ddp import DDP
+    from zerolab.engines.naive_ddp import NaiveDDP
     from zerolab.book.timeline import overlap_fraction
     rank, n = dist.get_rank(), dist.get_world_size()
     dev = compute_device()
@@ -589,7 +590,7 @@ def ddp_overlap_worker(cfg_name, batch, bucket_mb=25.0, warmup=2, steps=5, preci
 def prefetch_worker(cfg_name, batch, warmup=2, steps=8):
     """Chapter 8's prefetch timing on CUDA tensors: ZeRO-3 prefetch=0 and 1 interleaved step by
     step (alternating order), synchronised; the seconds each step spent blocked in all-gather waits."""
-    from zerolab.zero3 import ZeRO3
+    from zerolab.engines.zero3 import ZeRO3
     rank, n = dist.get_rank(), dist.get_world_size()
     dev = compute_device()
     cuda = dev.type == "cuda"

@@ -13,7 +13,7 @@ import zerolab as zl
 from tolerances import fp32_adamw_tol
 from zerolab.data import CharDataset, SyntheticRegression
 from zerolab.models import GPT, AwkwardModel, gpt_config, gpt_loss, regression_loss
-from zerolab.single import SingleProcess
+from zerolab.engines.single import SingleProcess
 
 STEPS = 4
 # Adam divides by sqrt(v) + eps, so a gradient component that is nearly zero turns rounding

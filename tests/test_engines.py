@@ -6,14 +6,16 @@ import pytest
 import torch
 
 import zerolab as zl
-from zerolab.ddp import DDP, NaiveDDP
-from zerolab.single import SingleProcess
-from zerolab.zero import ZeRO
-from zerolab.zero3 import ZeRO3
+from zerolab.engines.ddp import DDP
+from zerolab.engines.naive_ddp import NaiveDDP
+from zerolab.engines.single import SingleProcess
+from zerolab.engines.zero1 import ZeRO1
+from zerolab.engines.zero2 import ZeRO2
+from zerolab.engines.zero3 import ZeRO3
 
 OPT = partial(torch.optim.AdamW, lr=1e-3)
 EXPECTED = {"single": (SingleProcess, None), "naive": (NaiveDDP, None), "ddp": (DDP, None),
-            "zero1": (ZeRO, 1), "zero2": (ZeRO, 2), "zero3": (ZeRO3, None)}
+            "zero1": (ZeRO1, 1), "zero2": (ZeRO2, 2), "zero3": (ZeRO3, 3)}
 
 
 def build_every_engine():
@@ -47,3 +49,46 @@ def test_an_unknown_name_is_refused_with_the_choices():
 
 def test_the_command_line_offers_the_same_names():
     assert zl.train.available_strategies() == ["single", "ddp", "zero1", "zero2", "zero3"]
+
+
+# ------------------------------------------------------------------ one guard per misuse, every engine
+
+
+def misuse_each_engine():
+    import warnings
+    out = {}
+    for name in zl.engines.NAMES:
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")          # ZeRO-3's note that a Linear is one unit
+            engine = zl.engines.make(name, torch.nn.Linear(4, 3), partial(torch.optim.SGD, lr=0.1))
+        x = torch.full((2, 4), float(zl.rank() + 1))
+        seen = {}
+        try:
+            engine.step()
+        except RuntimeError as e:
+            seen["step first"] = str(e)
+        engine.backward(engine(x).pow(2).sum())
+        try:
+            engine.backward(engine(x).pow(2).sum())
+        except RuntimeError as e:
+            seen["backward twice"] = str(e)
+        engine.step()
+        engine.zero_grad()
+        out[name] = seen
+    return out
+
+
+def test_every_engine_has_the_same_guards():
+    seen = zl.launch(misuse_each_engine, 2)[0]
+    for name, s in seen.items():
+        # step() with no gradient would be a silent no-op (or a step on stale gradients)
+        assert "before backward" in s.get("step first", ""), name
+        if name in ("naive", "ddp", "zero1"):
+            # their reduction averaged the full gradient in place: a second backward would add a
+            # local gradient to an averaged one, so it is refused and no_sync is named
+            assert "no_sync" in s.get("backward twice", ""), name
+        else:
+            # one process, and the engines whose reduced gradients live in shards that add up,
+            # accumulate a second backward as PyTorch does
+            assert "backward twice" not in s, name

@@ -8,7 +8,7 @@ import torch
 
 import zerolab as zl
 from zerolab.precision import LossScaler
-from zerolab.single import SingleProcess
+from zerolab.engines.single import SingleProcess
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
 

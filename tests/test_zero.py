@@ -21,7 +21,7 @@ from tolerances import fp32_adamw_tol
 from zerolab.data import CharDataset, SyntheticRegression
 from zerolab.memory import model_state_bytes
 from zerolab.models import GPT, AwkwardModel, gpt_config, gpt_loss, num_params, regression_loss
-from zerolab.single import SingleProcess
+from zerolab.engines.single import SingleProcess
 
 STEPS = 3
 # eps=1e-6 bounds how much Adam amplifies rounding noise on near-zero gradients (tests/tolerances.py)
@@ -390,18 +390,14 @@ def test_bad_input_is_refused_clearly():
             eng.step()
 
 
-def test_stage3_dispatches_to_zero3_or_says_why():
-    try:
-        import zerolab.zero3  # noqa: F401
-    except ImportError:
-        with pytest.raises(NotImplementedError, match="zero3"):
-            zl.ZeRO(AwkwardModel(), OPT, stage=3)
-        return
+def test_every_stage_dispatches_to_its_engine():
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")     # ZeRO3's note that AwkwardModel is one unit
         eng = zl.ZeRO(AwkwardModel(), OPT, stage=3)
-    assert isinstance(eng, zerolab.zero3.ZeRO3)
+    assert isinstance(eng, zl.ZeRO3)
+    assert type(zl.ZeRO(AwkwardModel(), OPT, stage=1)) is zl.ZeRO1
+    assert type(zl.ZeRO(AwkwardModel(), OPT, stage=2)) is zl.ZeRO2
 
 
 def test_one_process_stage2_equals_plain_torch_in_process():

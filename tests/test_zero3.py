@@ -20,10 +20,10 @@ from zerolab.data import CharDataset, SyntheticRegression
 from zerolab.launch import LaunchError
 from zerolab.memory import AllocationTracker, saved_activation_bytes
 from zerolab.models import GPT, AwkwardModel, gpt_config, gpt_loss, regression_loss
-from zerolab.single import SingleProcess
+from zerolab.engines.single import SingleProcess
 from zerolab.models import gpt_init
-from zerolab.units import measure_peak
-from zerolab.zero3 import ZeRO3
+from zerolab.engines.units import measure_peak
+from zerolab.engines.zero3 import ZeRO3
 
 STEPS = 3
 # eps=1e-6 bounds how much Adam amplifies summation-order rounding (tests/tolerances.py)

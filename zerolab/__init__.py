@@ -22,8 +22,8 @@ _LAZY = {
     "precision": ("zerolab.precision", None),
     "collectives": ("zerolab.collectives", None),
     "train": ("zerolab.train", None),
-    "single": ("zerolab.single", None),
-    "SingleProcess": ("zerolab.single", "SingleProcess"),
+    "single": ("zerolab.engines.single", None),
+    "SingleProcess": ("zerolab.engines.single", "SingleProcess"),
     "book": ("zerolab.book", None),
     "engines": ("zerolab.engines", None),
     "checkpoint": ("zerolab.checkpoint", None),
@@ -33,10 +33,12 @@ _LAZY = {
     "checkpointing": ("zerolab.checkpointing", None),
     "allocator": ("zerolab.allocator", None),
     "debug": ("zerolab.debug", None),
-    "DDP": ("zerolab.ddp", "DDP"),
-    "NaiveDDP": ("zerolab.ddp", "NaiveDDP"),
-    "ZeRO": ("zerolab.zero", "ZeRO"),
-    "ZeRO3": ("zerolab.zero3", "ZeRO3"),
+    "NaiveDDP": ("zerolab.engines.naive_ddp", "NaiveDDP"),
+    "DDP": ("zerolab.engines.ddp", "DDP"),
+    "ZeRO": ("zerolab.engines", "ZeRO"),         # zl.ZeRO(model, optimizer, stage=1 | 2 | 3)
+    "ZeRO1": ("zerolab.engines.zero1", "ZeRO1"),
+    "ZeRO2": ("zerolab.engines.zero2", "ZeRO2"),
+    "ZeRO3": ("zerolab.engines.zero3", "ZeRO3"),
 }
 
 

@@ -177,13 +177,14 @@ class FlatBuckets:
 # ------------------------------------------------------------------ the optimizer on flat buffers
 
 
-def unreached_ranges(buckets: FlatBuckets, unused, shards=None) -> list:
-    """(bucket index, lo, hi) element ranges of parameters in `unused` (positions in
-    buckets.params), relative to each bucket's slice shards[b] (the whole bucket if None)."""
+def unreached_ranges(buckets, unused, shards=None) -> list:
+    """(bucket index, lo, hi) element ranges of parameters in `unused` (positions counted over
+    the buckets' parameters in order), relative to each bucket's slice shards[b] (the whole
+    bucket if None). `buckets`: a FlatBuckets or a list of Bucket."""
     ranges, k = [], 0
     if not unused:
         return ranges
-    for b, bucket in enumerate(buckets.buckets):
+    for b, bucket in enumerate(getattr(buckets, "buckets", buckets)):
         s = shards[b] if shards is not None else slice(0, bucket.padded_numel)
         for o, n in zip(bucket.offsets, bucket.sizes):
             if k in unused:

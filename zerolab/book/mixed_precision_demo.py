@@ -3,7 +3,7 @@
     four_ways(steps=120)    fp32 | naive fp16 (no master copy) | fp16 + master + loss scaling | bf16 + master
 
 Every run starts from the same seed and sees the same batches, so the curves differ only by
-arithmetic. The engine is zerolab.single.SingleProcess except for the naive run, which is
+arithmetic. The engine is zerolab.engines.single.SingleProcess except for the naive run, which is
 written out here because no engine should ever do it.
 """
 
@@ -16,7 +16,7 @@ import torch
 
 from .. import data, models
 from ..precision import LossScaler, MixedPrecision
-from ..single import SingleProcess
+from ..engines.single import SingleProcess
 
 CONFIG = dict(size="nano", batch_size=8, lr=1e-3, seed=0)
 

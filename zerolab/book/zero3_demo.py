@@ -13,10 +13,10 @@ import zerolab as zl
 from zerolab.data import CharDataset
 from zerolab.memory import AllocationTracker, saved_activation_bytes
 from zerolab.models import GPT, gpt_config, gpt_loss
-from zerolab.single import SingleProcess
+from zerolab.engines.single import SingleProcess
 from zerolab.models import gpt_init
-from zerolab.units import measure_peak
-from zerolab.zero3 import ZeRO3
+from zerolab.engines.units import measure_peak
+from zerolab.engines.zero3 import ZeRO3
 
 OPT = partial(torch.optim.AdamW, lr=1e-3, eps=1e-6, weight_decay=0.1)
 B = 2

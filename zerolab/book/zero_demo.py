@@ -27,7 +27,7 @@ from ..engines.setup import broadcast_from_rank0
 from ..launch import rank as _rank, world_size as _world_size
 from ..memory import live_bytes, model_state_bytes, optimizer_tensors
 from ..models import GPT, gpt_config, gpt_loss, num_params
-from ..single import build_optimizer
+from ..engines.setup import build_optimizer
 
 
 class SeedZeRO1:
@@ -178,7 +178,7 @@ def agree(run, ref, tol: float = 2e-5) -> bool:
 
 def run_memory(stage: int, precision: str, size: str = "nano", bucket_mb: float = 0.05):
     """Measured model-state bytes on this rank after two steps, and the paper's formula."""
-    from ..zero import ZeRO
+    from ..engines import ZeRO
     model = _gpt(size)
     psi = num_params(model, trainable_only=True)
     eng = ZeRO(model, OPT, stage=stage, precision=precision, bucket_mb=bucket_mb)
@@ -196,7 +196,7 @@ def run_memory(stage: int, precision: str, size: str = "nano", bucket_mb: float 
 
 def run_grad_timeline(stage: int, size: str = "tiny", bucket_mb: float = 0.05):
     """Gradient bytes this rank holds at each gradient hook of one backward (measured storages)."""
-    from ..zero import ZeRO
+    from ..engines import ZeRO
     import torch.distributed as dist
     model = _gpt(size)
     psi = num_params(model, trainable_only=True)

@@ -1,32 +1,53 @@
-"""Every engine by name, built in one place.
+"""The engines, and every engine by name, built in one place.
 
     engine = zl.engines.make("zero2", model, partial(torch.optim.AdamW, lr=3e-4), bucket_mb=25)
 
+Each engine is a small change of the one before it:
+
+    base.Engine         what every engine does the same way (backward, the step template, guards,
+                        full_state_dict, memory_report, checkpoint pieces)
+    single.SingleProcess    the reference: one process, one model
+    naive_ddp.NaiveDDP  all-reduce each gradient after backward
+    ddp.DDP             flat buckets, all-reduced while backward runs
+    zero1.ZeRO1         DDP, but reduce-scatter, step on the owned slice, all-gather
+    zero2.ZeRO2         ZeRO-1, but the full gradient is freed as soon as it is reduced
+    zero3.ZeRO3         parameters sharded too, gathered unit by unit (units.Unit)
+
 The command line's --strategy, the benchmark and the chapters all build their engines here, so
-a name means the same engine everywhere. The classes live in zerolab.single (SingleProcess),
-zerolab.ddp (NaiveDDP, DDP), zerolab.zero (ZeRO stages 1 and 2) and zerolab.zero3 (ZeRO3, which
-zl.ZeRO(stage=3) builds).
+a name means the same engine everywhere; zl.ZeRO(stage=k) picks among the three ZeRO stages.
 """
 
 import importlib
 
-# name -> (module, class, the keyword arguments the name fixes)
+# name -> (module, class)
 ENGINES = {
-    "single": ("zerolab.single", "SingleProcess", {}),
-    "naive": ("zerolab.ddp", "NaiveDDP", {}),
-    "ddp": ("zerolab.ddp", "DDP", {}),
-    "zero1": ("zerolab.zero", "ZeRO", {"stage": 1}),
-    "zero2": ("zerolab.zero", "ZeRO", {"stage": 2}),
-    "zero3": ("zerolab.zero", "ZeRO", {"stage": 3}),
+    "single": ("zerolab.engines.single", "SingleProcess"),
+    "naive": ("zerolab.engines.naive_ddp", "NaiveDDP"),
+    "ddp": ("zerolab.engines.ddp", "DDP"),
+    "zero1": ("zerolab.engines.zero1", "ZeRO1"),
+    "zero2": ("zerolab.engines.zero2", "ZeRO2"),
+    "zero3": ("zerolab.engines.zero3", "ZeRO3"),
 }
 NAMES = tuple(ENGINES)
+
+
+def engine_class(name: str):
+    if name not in ENGINES:
+        raise ValueError(f"unknown engine {name!r}; choose one of {list(NAMES)}")
+    module, cls = ENGINES[name]
+    return getattr(importlib.import_module(module), cls)
 
 
 def make(name: str, model, optimizer, **options):
     """Build the engine called `name` around `model`; `options` go to its constructor
     (precision=, bucket_mb=, max_grad_norm=, ...: each engine refuses one it does not take)."""
-    if name not in ENGINES:
-        raise ValueError(f"unknown engine {name!r}; choose one of {list(NAMES)}")
-    module, cls, fixed = ENGINES[name]
-    engine_class = getattr(importlib.import_module(module), cls)
-    return engine_class(model, optimizer, **fixed, **options)
+    return engine_class(name)(model, optimizer, **options)
+
+
+def ZeRO(model, optimizer, *, stage=None, **options):
+    """zl.ZeRO(model, optimizer, stage=1 | 2 | 3, ...): the ZeRO engine of that stage
+    (ZeRO1, ZeRO2 or ZeRO3), with the same options for every stage."""
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (1, 2, 3):
+        raise ValueError(f"stage must be 1 (shard optimizer state), 2 (also gradients) or 3 (also "
+                         f"parameters); got {stage!r}")
+    return make(f"zero{stage}", model, optimizer, **options)

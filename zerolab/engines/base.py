@@ -1,31 +1,41 @@
 """What every engine does the same way, written once.
 
 An engine wraps a model and an optimizer factory; what differs between SingleProcess, NaiveDDP,
-DDP, ZeRO stages 1-2 and ZeRO-3 is where the gradients, masters and optimizer state live and
+DDP, ZeRO-1, ZeRO-2 and ZeRO-3 is where the gradients, masters and optimizer state live and
 when they travel. What does not differ lives here:
 
-* calling the engine casts floating inputs to the compute dtype, then runs the forward
-  (`_forward`: the data-parallel engines also measure activations there);
-* step() measures the step's peak memory around the engine's own `_step` and counts steps;
+* calling the engine casts floating inputs to the compute dtype, then runs the forward;
+* backward(loss) guards against misuse, divides the loss by N (the one place it is divided:
+  gloo has no average, so the sum the collectives compute is then the mean), scales it in
+  fp16 and hands it to the engine's `_backward`, which runs autograd and the reduction;
+* step() refuses to run before a backward, measures the step's peak memory and runs ONE
+  template (`_step`): the fp32 gradients of what the optimizer updates (`_step_grads`), one
+  finite check (`_grads_finite`), clipping, the optimizer inside `held_still` (parameters no
+  rank reached do not move, `_unreached`), then the updated masters are published to the
+  compute copies (`_publish`: a cast, an all-gather, ...);
+* zero_grad() drops the gradients (`_release_grads`) and resets the guards;
 * full_state_dict() consolidates: the engine says where the full fp32 value of each trained
   parameter is (`_full_values`, which may gather shards), and every key of model.state_dict()
-  gets an fp32 CPU copy, tied weights one tensor under both keys, buffers and frozen
-  parameters from the model itself;
-* memory_report() measures: the engine lists the tensors it holds as parameters, gradients and
-  optimizer state (`_memory_tensors`), and live storage is counted once each;
-* zerolab.checkpoint asks the engine, never its internals, what to write and read: its name in
-  the metadata (`checkpoint_kind`), the pieces of parameters this rank holds
-  (`checkpoint_segments`) and how to rebuild the compute copy after a load (`refresh_compute`).
+  gets an fp32 CPU copy, tied weights one tensor under both keys;
+* memory_report() measures: the engine lists the tensors it holds (`_memory_tensors`), and
+  live storage is counted once each;
+* zerolab.checkpoint asks the engine, never its internals, what to write and read: its name
+  (`checkpoint_kind`), the pieces of parameters this rank holds (`checkpoint_segments`) and how
+  to rebuild the compute copy after a load (`refresh_compute`).
 
-A subclass sets, in its __init__: model, precision, steps, track_peak, last_peak,
-last_activations, optimizer, and defines _step, _full_values and _memory_tensors.
+A subclass sets, in its __init__: model, precision, world_size, comm, max_grad_norm, steps,
+track_peak, last_peak, last_activations, last_grad_norm, optimizer (engines.setup does most
+of it), params and masters. The defaults suit one fp32 master per parameter; the flat
+engines redefine _step_grads, _publish, _release_grads, _full_values and _memory_tensors.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..memory import PeakMemory, live_bytes
+from ..buckets import held_still
+from ..memory import PeakMemory, live_bytes, optimizer_tensors
+from ..precision import clip_grad_norm_
 
 
 def flat_segments(tensor, bucket, shard, names) -> list:
@@ -43,7 +53,16 @@ def flat_segments(tensor, bucket, shard, names) -> list:
 class Engine:
     """The shared part of every zerolab engine (see the module docstring)."""
 
-    peak_meter = PeakMemory   # what step() measures its peak with (ZeRO-3 adds its own counts)
+    peak_meter = PeakMemory     # what step() measures its peak with (ZeRO-3 adds its own counts)
+    sharded = False             # does each rank hold only a slice of the gradients and masters?
+    # May backward() run again after a synced backward, before step()? Yes where the reduced
+    # gradients accumulate correctly (one process; ZeRO-2 and 3 add into their shards); no where
+    # the reduction averaged the full gradient in place (NaiveDDP, DDP, ZeRO-1): a second
+    # backward would add a local gradient to an averaged one.
+    accumulates_after_reduce = True
+    _sync = True                # False inside no_sync()
+    _backward_done = False      # a backward ran since the last step() / zero_grad()
+    _reduced = False            # a synced backward's gradients are waiting for step()
 
     # -------------------------------------------------------------- forward
     def __call__(self, *inputs):
@@ -55,9 +74,31 @@ class Engine:
     def _forward(self, *inputs):
         return self.model(*inputs)
 
+    # -------------------------------------------------------------- backward
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward() (on loss / N, scaled in fp16); the engine reduces the gradients."""
+        if self._reduced and not self.accumulates_after_reduce:
+            raise RuntimeError(
+                "backward() called twice without step() or zero_grad() in between: the "
+                "gradients of the first backward were already averaged over ranks. To "
+                "accumulate over micro-batches, run all but the last backward inside "
+                "`with engine.no_sync():`.")
+        if self.world_size > 1:
+            # a scalar divide instead of a pass over every gradient (exact when N is a power of 2)
+            loss = loss / self.world_size
+        self._backward(self.precision.scale_loss(loss, step=self.steps))
+        self._backward_done = True
+        self._reduced = self._reduced or self._sync
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
     # -------------------------------------------------------------- the step
     def step(self) -> bool:
         """Unscale, check, clip, update. False (and nothing changed) when an fp16 overflow skips it."""
+        if not self._backward_done:
+            raise RuntimeError("step() called before backward(): there is no gradient to apply. "
+                               "Call engine.backward(loss) first (on every rank).")
         if self.track_peak:
             with self.peak_meter("cpu") as peak:
                 applied = self._step()
@@ -65,15 +106,84 @@ class Engine:
         else:
             applied = self._step()
         self.steps += 1
+        self._backward_done = self._reduced = False
         return applied
 
+    @torch.no_grad()
     def _step(self) -> bool:
-        raise NotImplementedError
+        grads = self._step_grads()
+        if not self._grads_finite(grads):    # fp16 overflow: nothing changes, the scale drops
+            self.precision.update(found_inf=True)
+            self._drop_step_grads()
+            return False
+        if self.max_grad_norm is not None:
+            # sharded engines hold disjoint slices: their squared norms are summed over ranks
+            self.last_grad_norm = clip_grad_norm_(grads, self.max_grad_norm,
+                                                  self.comm if self.sharded else None)
+        with held_still(self.optimizer, *self._unreached()):
+            self.optimizer.step()
+        self._publish()
+        self._drop_step_grads()
+        self.precision.update(found_inf=False)
+        return True
+
+    # The defaults below are for one master per parameter (SingleProcess, NaiveDDP): in fp32
+    # the masters ARE the parameters; in bf16/fp16 they are fp32 copies. The flat engines
+    # (DDP, ZeRO) override them.
+    def _step_grads(self) -> list:
+        """Give each tensor the optimizer updates its fp32 gradient; return those gradients."""
+        if self.masters is not self.params:
+            # cast: fp32 copies of the low-precision gradients, short-lived, on the masters
+            for p, m in zip(self.params, self.masters):
+                m.grad = None if p.grad is None else p.grad.float()
+        return [m.grad for m in self.masters if m.grad is not None]
+
+    def _grads_finite(self, grads) -> bool:
+        """The one finite check. fp16: unscale, and every rank agrees (zerolab.precision).
+        fp32/bf16: there is no scale to lower, so a non-finite gradient is an error."""
+        if self.precision.scaler is not None:
+            return self.precision.unscale_and_check(grads)
+        # one sum per tensor finds it (inf and nan survive a sum) at a fraction of the cost
+        # of isfinite over every element
+        sums = [s.float() for s in self._grad_sums(grads)]
+        if sums and not bool(torch.isfinite(torch.stack(sums).sum())):
+            raise FloatingPointError(f"non-finite gradients in {self.precision.name} training")
+        return True
+
+    def _grad_sums(self, grads) -> list:
+        return [g.sum() for g in grads if g is not None]
+
+    def _unreached(self):
+        """(flat tensors, (index, lo, hi) ranges) the optimizer must leave as they are."""
+        return [], []
+
+    def _publish(self) -> None:
+        """After the update: make the compute copies (what forward uses) match the masters."""
+        if self.masters is not self.params:
+            for p, m in zip(self.params, self.masters):
+                p.data.copy_(m)     # the compute copy is the cast of the authoritative master
+
+    def _drop_step_grads(self) -> None:
+        """Free the fp32 gradients _step_grads gave the masters."""
+        if self.masters is not self.params:
+            for m in self.masters:
+                m.grad = None
+
+    # -------------------------------------------------------------- gradients
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every gradient. zerolab always frees them (set_to_none=False is accepted and
+        does the same): the next backward writes fresh ones."""
+        self._release_grads()
+        self._drop_step_grads()
+        self._backward_done = self._reduced = False
+
+    def _release_grads(self) -> None:
+        self.model.zero_grad(set_to_none=True)
 
     # -------------------------------------------------------------- state and memory
     def _full_values(self) -> dict:
         """{id(parameter): its full value} for every parameter the optimizer trains."""
-        raise NotImplementedError
+        return {id(p): m for p, m in zip(self.params, self.masters)}
 
     @torch.no_grad()
     def full_state_dict(self) -> dict:
@@ -92,7 +202,10 @@ class Engine:
 
     def _memory_tensors(self) -> tuple[list, list, list]:
         """(parameter tensors, gradient tensors, optimizer tensors) this rank holds now."""
-        raise NotImplementedError
+        params = list(self.model.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        masters = self.masters if self.masters is not self.params else []
+        return params, grads, list(masters) + optimizer_tensors(self.optimizer)
 
     def memory_report(self) -> dict:
         """MEASURED bytes on this rank: params, grads, optimizer (fp32 masters + moments), total
@@ -127,6 +240,4 @@ class Engine:
     def refresh_compute(self, fill) -> None:
         """After a load wrote the masters: make the compute copies (what forward uses) match.
         fill(flat, p) copies parameter p's saved value into the flat tensor."""
-        if self.precision.policy.needs_master:
-            for p, m in zip(self.params, self.masters):
-                p.data.copy_(m)
+        self._publish()

@@ -7,9 +7,10 @@
 * data_parallel_layout: which group the engine averages over (the whole world, or a Mesh's dp
   group when the model is tensor-parallel), check_residual_options and enable_residual: ZeRO-R's
   activation options (chapter 9), checked and switched on;
+* check_optimizer_factory and build_optimizer: the optimizer is a factory the engine calls on
+  the tensors it chooses (fp32 masters, flat buckets, owned slices);
+* start_data_parallel: all of the above, in order, for a data-parallel engine's constructor;
 * measured_forward: the forward, with the activations it leaves alive counted on request.
-
-NaiveDDP, DDP, ZeRO and ZeRO3 call these from their constructors and forwards.
 """
 
 from __future__ import annotations
@@ -28,15 +29,19 @@ from ..memory import AllocationTracker, settled
 # ------------------------------------------------------------------ checks at construction
 
 
+def check_max_grad_norm(max_grad_norm):
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not
+                                      isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm must be None or a number > 0; got {max_grad_norm!r}")
+
+
 def _check_args(model, bucket_mb, max_grad_norm):
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0 \
             or not math.isfinite(bucket_mb):
         raise ValueError(f"bucket_mb must be a number > 0 (megabytes per bucket), got {bucket_mb!r}")
-    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not
-                                      isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0):
-        raise ValueError(f"max_grad_norm must be None or a number > 0; got {max_grad_norm!r}")
+    check_max_grad_norm(max_grad_norm)
     devices = {}
     for name, p in model.named_parameters():
         devices.setdefault(p.device, name)
@@ -152,6 +157,91 @@ def enable_residual(model, mesh, checkpoint_activations, partition_activations, 
     from .. import checkpointing
     return checkpointing.enable(model, mesh, partition_activations=partition_activations,
                                 offload_activations=offload_activations)
+
+
+# ------------------------------------------------------------------ the optimizer factory
+
+
+# Optimizers whose update of an element depends on the rest of its tensor (Adafactor's
+# factored moments and relative step size, Muon's orthogonalized matrices). On one flat
+# tensor per bucket they would compute something else than on the parameters one by one.
+WHOLE_TENSOR_OPTIMIZERS = tuple(getattr(torch.optim, n) for n in ("Adafactor", "Muon") if hasattr(torch.optim, n))
+
+
+def _check_elementwise(optimizer, flat_engine: str) -> None:
+    kind = optimizer if isinstance(optimizer, type) else (
+        type(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else getattr(optimizer, "func", None))
+    if isinstance(kind, type) and issubclass(kind, WHOLE_TENSOR_OPTIMIZERS):
+        raise TypeError(
+            f"{flat_engine} runs the optimizer on flat buffers (one tensor per bucket), but "
+            f"{kind.__name__} updates each element from its whole tensor (norms, matrix shape), so it "
+            "would compute something else than on the parameters one by one. Use an elementwise "
+            "optimizer (SGD, Adam, AdamW, ...), or zl.NaiveDDP / zl.SingleProcess, which step "
+            "parameter by parameter.")
+
+
+def check_optimizer_factory(optimizer, precision: str, flat_engine: str | None = None) -> None:
+    """Refuse anything but a factory, before an engine touches the model.
+
+    flat_engine: the engine's name if it steps the optimizer on flat buffers; then optimizers
+    that are not elementwise are refused too (when the factory shows its class: the class
+    itself, or a functools.partial of it; build_optimizer checks what any factory built).
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a factory (a callable params -> torch.optim.Optimizer), not an "
+            f"already-built {type(optimizer).__name__}: the engine decides which tensors the "
+            f"optimizer updates (with precision={precision!r} those are fp32 master copies it creates). "
+            "Pass e.g. functools.partial(torch.optim.AdamW, lr=3e-4).")
+    if not callable(optimizer):
+        raise TypeError(f"optimizer must be a callable params -> torch.optim.Optimizer, "
+                        f"e.g. functools.partial(torch.optim.AdamW, lr=3e-4); got {optimizer!r}")
+    if flat_engine is not None:
+        _check_elementwise(optimizer, flat_engine)
+
+
+def build_optimizer(optimizer, params, precision: str, flat_engine: str | None = None) -> torch.optim.Optimizer:
+    """Call an optimizer factory on `params`, refusing an already-built optimizer."""
+    check_optimizer_factory(optimizer, precision, flat_engine)
+    opt = optimizer(params)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
+    if flat_engine is not None:
+        _check_elementwise(opt, flat_engine)
+    return opt
+
+
+# ------------------------------------------------------------------ a data-parallel engine starts
+
+
+def start_data_parallel(engine, model, optimizer, *, precision, scaler, max_grad_norm, track_peak,
+                        bucket_mb=25.0, mesh=None, checkpoint_activations=False,
+                        partition_activations=False, offload_activations=False,
+                        track_activations=None) -> None:
+    """What NaiveDDP, DDP, ZeRO-1/2 and ZeRO-3 do first, in this order: every check that needs
+    no other rank (so a bad argument fails before a collective could hang), the group to
+    average over, precision, ZeRO-R's activation options, the engine's counters, and the
+    check that every rank wraps the same model. The engine then lays out its storage."""
+    from ..precision import MixedPrecision
+    _check_args(model, bucket_mb, max_grad_norm)
+    check_optimizer_factory(optimizer, precision, engine.flat_optimizer)   # before the model is touched
+    check_residual_options(model, mesh, precision=precision, max_grad_norm=max_grad_norm,
+                           checkpoint_activations=checkpoint_activations,
+                           partition_activations=partition_activations,
+                           offload_activations=offload_activations, track_activations=track_activations)
+    engine.mesh = mesh
+    engine.comm, engine.world_size, engine.rank, engine._src = data_parallel_layout(mesh)
+    engine.precision = MixedPrecision(precision, scaler=scaler, ledger=engine.comm)
+    engine.checkpointing = enable_residual(model, mesh, checkpoint_activations,
+                                           partition_activations, offload_activations)
+    # measuring activations costs an allocation tracker around every forward: on by default
+    # only where ZeRO-R is in use (a mesh or checkpointing); None in the report otherwise
+    engine.track_activations = (mesh is not None or checkpoint_activations) \
+        if track_activations is None else bool(track_activations)
+    engine.model, engine.max_grad_norm, engine.track_peak = model, max_grad_norm, track_peak
+    engine.steps, engine.last_peak, engine.last_grad_norm, engine.last_activations = 0, 0, None, None
+    engine.last_backward = {}
+    check_same_model(model, engine.comm, engine._src)
 
 
 def measured_forward(engine, *inputs):

@@ -32,9 +32,12 @@ parameters live the life of a state machine (the events in `engine.events`):
 Per step each rank sends (N-1)/N of the parameter bytes three times: all-gather in forward,
 all-gather in backward, reduce-scatter of the gradients, the paper's 3 Psi (1.5x DDP).
 
-What a unit is (Unit, find_units, freeing storage by resizing it, and measure_peak, which counts
-those resizes) lives in zerolab.units; initialising a GPT built on the meta device
-(gpt_init) in zerolab.models.
+What a unit is and does (Unit: gather, wait, release, accumulate, reduce_scatter; find_units;
+freeing storage by resizing it, and measure_peak, which counts those resizes) lives in
+zerolab.engines.units; this engine decides WHEN: hooks, prefetch order, the end of backward.
+What every engine shares (backward's loss / N and guards, the step template, full_state_dict,
+memory_report) is zerolab.engines.base.Engine's; initialising a GPT built on the meta device
+(gpt_init) is zerolab.models'.
 """
 
 from __future__ import annotations
@@ -46,14 +49,11 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .buckets import Bucket
-from .engines.base import Engine, flat_segments
-from .engines.setup import (_check_args, broadcast_from_rank0, check_residual_options, check_same_model,
-                            data_parallel_layout, enable_residual, measured_forward)
-from .memory import optimizer_tensors
-from .precision import MixedPrecision, clip_grad_norm_
-from .single import build_optimizer, check_optimizer_factory
-from .units import Event, Unit, _InputsGradDone, _storage_alloc, _storage_free, find_units, measure_peak
+from ..buckets import unreached_ranges
+from ..memory import optimizer_tensors
+from .base import Engine, flat_segments
+from .setup import broadcast_from_rank0, build_optimizer, measured_forward, start_data_parallel
+from .units import Event, Unit, _InputsGradDone, find_units, group_params, measure_peak
 
 
 # ------------------------------------------------------------------ the engine
@@ -80,6 +80,10 @@ class ZeRO3(Engine):
 
     peak_meter = measure_peak   # step()'s peak also sees storage resized by gathers and releases
     checkpoint_kind = "zero3"
+    flat_optimizer = "zl.ZeRO(stage=3)"   # the optimizer steps on one flat shard per unit
+    stage = 3
+    sharded = True
+    accumulates_after_reduce = True       # (Engine.backward) the gradient shards add up
 
     def __init__(self, model: nn.Module, optimizer, *, precision="fp32", bucket_mb=25.0, prefetch=1,
                  max_grad_norm=None, scaler=None, units=None, track_peak=True, init_fn=None, mesh=None,
@@ -87,31 +91,16 @@ class ZeRO3(Engine):
                  track_activations=None):
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (units to gather ahead; 0 = off), got {prefetch!r}")
-        meta = any(p.device.type == "meta" for p in model.parameters())
-        if meta and init_fn is None:
+        if isinstance(model, nn.Module) and init_fn is None \
+                and any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError("the model is on the meta device: pass init_fn(name, module) to "
                              "initialise its parameters unit by unit")
-        _check_args(model, bucket_mb, max_grad_norm)
-        check_optimizer_factory(optimizer, precision, "zl.ZeRO(stage=3)")   # before the model is touched
-        check_residual_options(model, mesh, precision=precision, max_grad_norm=max_grad_norm,
-                               checkpoint_activations=checkpoint_activations,
-                               partition_activations=partition_activations,
-                               offload_activations=offload_activations,
-                               track_activations=track_activations)
-        # under a mesh, shard over the dp group only (engine.world_size = mesh.dp)
-        self.mesh = mesh
-        self.comm, self.world_size, self.rank, self._src = data_parallel_layout(mesh)
-        self.precision = MixedPrecision(precision, scaler=scaler, ledger=self.comm)
-        self.checkpointing = enable_residual(model, mesh, checkpoint_activations,
-                                             partition_activations, offload_activations)
-        # measuring activations costs an allocation tracker around every forward: on by
-        # default only where ZeRO-R is in use (a mesh or checkpointing); None in the report otherwise
-        self.track_activations = (mesh is not None or checkpoint_activations) \
-            if track_activations is None else bool(track_activations)
-        self.last_activations = None
-        self.model, self.prefetch, self.bucket_mb = model, prefetch, float(bucket_mb)
-        self.max_grad_norm, self.track_peak = max_grad_norm, track_peak
-        self.steps, self.last_peak, self.last_grad_norm = 0, 0, None
+        start_data_parallel(self, model, optimizer, precision=precision, scaler=scaler,
+                            max_grad_norm=max_grad_norm, track_peak=track_peak, bucket_mb=bucket_mb,
+                            mesh=mesh, checkpoint_activations=checkpoint_activations,
+                            partition_activations=partition_activations,
+                            offload_activations=offload_activations, track_activations=track_activations)
+        self.prefetch, self.bucket_mb = prefetch, float(bucket_mb)
         self.events: list = []
         self.gather_wait_s = 0.0        # seconds spent blocked waiting for all-gathers (what prefetch hides)
         self._fwd_order: list = []      # units in the order the last forward ran them
@@ -121,7 +110,6 @@ class ZeRO3(Engine):
         self._fwd_counts = None
         self._callback_started = False
         self._reducing: list = []       # units whose reduce-scatter is in flight, oldest first
-        check_same_model(model, self.comm, self._src)
 
         found, note = find_units(model, units)
         if note:
@@ -130,134 +118,37 @@ class ZeRO3(Engine):
         self._build_units(found, init_fn)
         # the optimizer updates one fp32 shard per unit, as if each were a normal parameter
         self.masters = [u.master for u in self.units if u.master is not None]
-        self.optimizer = build_optimizer(optimizer, self.masters, precision, "zl.ZeRO(stage=3)")
+        self.optimizer = build_optimizer(optimizer, self.masters, precision, self.flat_optimizer)
         self._install_hooks()
         self.comm.reset()               # setup traffic is not a training step's traffic
 
     # -------------------------------------------------------------- construction
     def _build_units(self, found, init_fn):
-        model, dtype = self.model, self.precision.compute_dtype
-        owners: dict = {}               # id(param) -> unit positions whose subtree holds it
-        unit_of_module = {}
-        for i, (_, m) in enumerate(found):
-            for p in m.parameters():
-                owners.setdefault(id(p), set()).add(i + 1)
-            for sub in m.modules():
-                unit_of_module.setdefault(id(sub), i + 1)
-        groups = [[] for _ in range(len(found) + 1)]
-        for p in model.parameters():    # each tied weight once
-            where = owners.get(id(p), set())
-            groups[next(iter(where)) if len(where) == 1 else 0].append(p)  # shared -> root
-        # where every parameter is referenced, so meta parameters can be replaced everywhere
-        refs: dict = {}
-        for mname, m in model.named_modules():
-            for pname, p in m.named_parameters(recurse=False):
-                refs.setdefault(id(p), []).append((mname, m, pname))
-        # the root's forward is the model's forward; unit 0 is always the root
-        specs = [("root", model)] + list(found)
+        """One Unit per group of parameters (units.group_params), each materialized in turn, so
+        at most ONE unit is ever held in full; then the replicated buffers (rank 0's values)."""
+        specs, groups, refs = group_params(self.model, found)
         self.units = []
         for i, ((name, module), params) in enumerate(zip(specs, groups)):
-            u = Unit(i, name, module, params)
+            u = Unit(i, name, module, params, self.comm, self._event)
+            u.materialize(self.model, refs, init_fn, self.world_size, self.rank, self._src,
+                          self.precision.compute_dtype, self.precision.policy.needs_master)
             self.units.append(u)
-            self._materialize(u, refs, init_fn, dtype)
         self.param_unit = {id(p): u for u in self.units for b in u.buckets.values() for p in b.params}
-        # buffers are replicated (rank 0's values)
-        bufs = [b for b in model.buffers()]
+        bufs = list(self.model.buffers())
         if any(b.device.type == "meta" for b in bufs):
             raise ValueError("meta-device buffers are not supported: build buffers on the CPU")
         if bufs:
             broadcast_from_rank0(bufs, self.comm, self._src)
 
-    def _materialize(self, u, refs, init_fn, dtype):
-        """Give unit u its flat buffers and shards, holding at most this ONE unit in full."""
-        mixed = self.precision.policy.needs_master
-        for kind, params in (("train", [p for p in u.params if p.requires_grad]),
-                             ("frozen", [p for p in u.params if not p.requires_grad])):
-            if not params:
-                continue
-            if params[0].device.type == "meta":
-                flat = torch.zeros(-(-sum(p.numel() for p in params) // self.world_size) * self.world_size)
-                new = []
-                offset = 0
-                for p in params:
-                    q = nn.Parameter(flat[offset:offset + p.numel()].view(p.shape), requires_grad=p.requires_grad)
-                    offset += p.numel()
-                    for _, m, pname in refs[id(p)]:
-                        m._parameters[pname] = q      # every module that uses p (tied) gets q
-                    new.append(q)
-                # initialise in model order, so tied weights end as a plain build leaves them
-                done = {id(q) for q in new}
-                with torch.no_grad():
-                    for mname, m in self.model.named_modules():
-                        if any(id(q) in done for q in m.parameters(recurse=False)):
-                            init_fn(mname, m)
-                b = Bucket(0, new, self.world_size)
-                b.data = flat
-            else:
-                b = Bucket(0, params, self.world_size)
-                with torch.no_grad():
-                    b.bind_params()           # parameters become views into b.data
-            self.comm.broadcast(b.data, src=self._src, tag="setup")   # ranks start identical (in place)
-            if mixed:
-                if kind == "train":           # the fp32 master shard, from the exact fp32 values
-                    master = b.data[b.shard(self.rank)].clone()
-                b.data = b.data.to(dtype)     # then the unit becomes low precision
-                for view, p in zip(b.views(b.data), b.params):
-                    p.data = view
-            u.buckets[kind] = b
-            u.full[kind] = b.data
-            u.shard[kind] = b.data[b.shard(self.rank)].clone()
-            _storage_free(b.data)             # from now on this rank holds only its shard
-        u.params = [p for b in u.buckets.values() for p in b.params]
-        u.master = None
-        if "train" in u.buckets:
-            u.master = nn.Parameter(master if mixed else u.shard["train"])
-            if not mixed:
-                u.shard["train"] = u.master.data
-        u.grad_shard = None
-        u.unused_positions = None       # positions no backward reached since zero_grad()
-        for pos, p in enumerate(u.buckets["train"].params if "train" in u.buckets else []):
-            p._zero3_pos = pos
-
-    # -------------------------------------------------------------- the lifecycle
+    # -------------------------------------------------------------- the lifecycle (units.Unit)
     def _event(self, u, state, phase=""):
         self.events.append(Event(self.comm.now(), self.rank, u.name, state, phase))
 
-    def _gather(self, u, phase, async_op=False):
-        """Issue the all-gather(s) of unit u (nothing if gathered or in flight)."""
-        if u.gathered or u.handles:
-            return
-        self._event(u, "gathering", phase)
-        for kind, full in u.full.items():
-            _storage_alloc(full)
-            u.handles[kind] = self.comm.all_gather(full, u.shard[kind], async_op=True,
-                                                   tag=f"gather:{u.name}")
-        if not async_op or not u.handles:   # (a unit with no parameters has nothing to wait for)
-            self._wait_gather(u, phase)
-
-    def _wait_gather(self, u, phase):
-        if u.gathered:
-            return
-        if not u.handles and u.full:
-            self._gather(u, phase)
-            return
-        t0 = self.comm.now()
-        for h in u.handles.values():
-            h.wait()
-        self.gather_wait_s += self.comm.now() - t0     # compute stood still this long
-        u.handles = {}
-        u.gathered = True
-        self._event(u, "gathered", phase)
-
-    def _release(self, u, phase):
-        if u.handles:                  # a prefetch nobody used: finish it before freeing
-            self._wait_gather(u, phase)
-        if not u.gathered:
-            return
-        for full in u.full.values():
-            _storage_free(full)
-        u.gathered = False
-        self._event(u, "released", phase)
+    def _use(self, u, phase):
+        """Unit u is needed now: gather it (if no prefetch did) and wait; compute stands still
+        for the time waited, which is what prefetch hides (gather_wait_s)."""
+        self.gather_wait_s += u.wait(phase)
+        self._event(u, "in_use", phase)
 
     def _prefetch_after(self, order, u, phase):
         """Start the all-gathers of the `prefetch` units that follow u in `order`."""
@@ -266,14 +157,14 @@ class ZeRO3(Engine):
         i = order.index(u)
         ahead = [v for v in order[i + 1:] if v is not u and not (phase == "backward" and v.reduced)]
         for v in ahead[:self.prefetch]:
-            self._gather(v, phase, async_op=True)
+            v.gather(phase)
 
     # -------------------------------------------------------------- hooks
     def _install_hooks(self):
         for u in self.units:
             u.module.register_forward_pre_hook(self._make_pre_forward(u), with_kwargs=True)
             u.module.register_forward_hook(self._make_post_forward(u))
-            for p in u.buckets.get("train", Bucket(0, [], 1)).params:
+            for p in (u.buckets["train"].params if "train" in u.buckets else []):
                 p.register_post_accumulate_grad_hook(self._on_grad_accumulated)
 
     def _make_pre_forward(self, u):
@@ -283,17 +174,15 @@ class ZeRO3(Engine):
                 self._start_forward()
             phase = "backward" if recompute else "forward"
             if recompute:
-                self._wait_gather(u, phase)
-                self._event(u, "in_use", phase)
+                self._use(u, phase)
                 return None
             self._cur_order.append(u)
             self._fwd_counts[u.index] += 1
             # issue this unit's gather (if no prefetch did), then the next units', THEN wait:
             # the gathers ahead travel while this unit waits and computes
-            self._gather(u, phase, async_op=True)
+            u.gather(phase)
             self._prefetch_after(self._fwd_order or self.units, u, "forward")
-            self._wait_gather(u, phase)
-            self._event(u, "in_use", phase)
+            self._use(u, phase)
             if torch.is_grad_enabled():
                 flat, spec = tree_flatten((args, kwargs))
                 idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -311,7 +200,7 @@ class ZeRO3(Engine):
         def hook(module, args, output):
             if u.in_backward:           # a recompute inside backward: keep the unit gathered
                 return None
-            self._release(u, "forward")
+            u.release("forward")
             self._done_order.append(u)
             if torch.is_grad_enabled():
                 outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -355,7 +244,7 @@ class ZeRO3(Engine):
         self._bwd_order = self._dedupe(self._done_order[::-1])
         if bad:
             for u in self.units:
-                self._release(u, "forward")
+                u.release("forward")
             raise RuntimeError(f"ZeRO3: ranks ran different code paths: unit(s) {', '.join(bad)} "
                                f"ran a different number of times on different ranks in this forward "
                                f"(this rank: {[self._fwd_counts[u.index] for u in self.units]}). "
@@ -370,23 +259,14 @@ class ZeRO3(Engine):
             return
         if not u.in_backward:
             u.in_backward = True
-            self._gather(u, "backward", async_op=True)
+            u.gather("backward")
             self._prefetch_after(self._bwd_order, u, "backward")
-            self._wait_gather(u, "backward")
-            self._event(u, "in_use", "backward")
+            self._use(u, "backward")
 
     def _on_grad_accumulated(self, p):
         u = self.param_unit[id(p)]
-        b = u.buckets["train"]
-        if u.grad_full is None:
-            u.grad_full = torch.zeros(b.padded_numel, dtype=p.dtype, device=p.device)
-        pos = p._zero3_pos
-        view = u.grad_full[b.offsets[pos]:b.offsets[pos] + b.sizes[pos]].view(p.shape)
-        view.add_(p.grad)
+        u.accumulate(p, p._zero3_pos)
         p.grad = None                    # the full gradient lives in the unit's flat buffer
-        if pos not in u.used:
-            u.used.add(pos)
-            u.n_acc += 1
         self._maybe_done(u)
 
     def _on_inputs_grad(self, u):
@@ -394,8 +274,7 @@ class ZeRO3(Engine):
         self._maybe_done(u)
 
     def _maybe_done(self, u):
-        n_train = len(u.buckets["train"].params) if "train" in u.buckets else 0
-        if u.n_acc == n_train and u.input_hooks_in >= u.input_hooks_out and u.in_backward:
+        if u.n_acc == u.n_train and u.input_hooks_in >= u.input_hooks_out and u.in_backward:
             self._post_backward(u)
 
     def _post_backward(self, u):
@@ -404,34 +283,13 @@ class ZeRO3(Engine):
             return
         u.reduced = True
         if "train" in u.buckets:
-            b = u.buckets["train"]
-            if u.grad_full is None:
-                u.grad_full = torch.zeros(b.padded_numel, dtype=b.data.dtype, device=b.data.device)
-            u.grad_full.div_(self.world_size)          # gloo has no AVG: divide, then sum
-            u.rs_out = torch.empty(b.padded_numel // self.world_size, dtype=u.grad_full.dtype,
-                                   device=b.data.device)
-            self._event(u, "reduce_scatter", "backward")
-            u.rs_handle = self.comm.reduce_scatter(u.rs_out, u.grad_full, async_op=True,
-                                                   tag=f"reduce:{u.name}")
+            u.reduce_scatter()
             self._reducing.append(u)
-        self._release(u, "backward")
+        u.release("backward")
         # at most two full unit gradients in flight: the older ones have had a whole unit's
         # backward to finish, so waiting for them here costs (almost) nothing and frees them
         while len(self._reducing) > 1:
-            self._complete_reduce(self._reducing.pop(0))
-
-    def _complete_reduce(self, u):
-        """u's reduce-scatter is done: keep (or add to) its gradient shard, free the full gradient."""
-        u.rs_handle.wait()
-        u.rs_handle = None
-        u.grad_full = None                # the full gradient is gone; the shard stays
-        if u.grad_shard is None:
-            u.grad_shard = u.rs_out
-        else:                             # a later micro-batch: accumulate the shard in fp32
-            if u.grad_shard.dtype != torch.float32:
-                u.grad_shard = u.grad_shard.float()
-            u.grad_shard.add_(u.rs_out)
-        u.rs_out = None
+            self._reducing.pop(0).finish_reduce()
 
     def _finish_backward(self):
         """End of autograd's work: reduce units whose gradients never all arrived, in order."""
@@ -439,13 +297,12 @@ class ZeRO3(Engine):
             if u.in_backward and not u.reduced:
                 self._post_backward(u)
         for u in self.units:            # nothing stays gathered past backward: the step changes it
-            self._release(u, "backward")
+            u.release("backward")
         # which parameters got a gradient on ANY rank (the others keep no gradient, as in one
         # process) and did every rank reduce the same units?
         flags = []
         for u in self.units:
-            n = len(u.buckets["train"].params) if "train" in u.buckets else 0
-            flags += [float(i in u.used) for i in range(n)]
+            flags += [float(i in u.used) for i in range(u.n_train)]
         flags += [float(u.reduced) for u in self.units] + [-float(u.reduced) for u in self.units]
         flags = torch.tensor(flags)
         self.comm.all_reduce(flags, op="max", tag="used")
@@ -457,10 +314,10 @@ class ZeRO3(Engine):
                                f"{', '.join(bad)} ran on some ranks but not on others")
         used = flags[:len(flags) - 2 * n].tolist()
         while self._reducing:
-            self._complete_reduce(self._reducing.pop(0))
+            self._reducing.pop(0).finish_reduce()
         k = 0
         for u in self.units:
-            n_train = len(u.buckets["train"].params) if "train" in u.buckets else 0
+            n_train = u.n_train
             unused = {i for i in range(n_train) if used[k + i] == 0.0}
             # over micro-batches, a parameter is unused only if no backward reached it
             if u.unused_positions is not None:
@@ -487,75 +344,54 @@ class ZeRO3(Engine):
         """
         yield
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward() (scaled in fp16); gradients are reduce-scattered unit by unit.
-
-        Several backward() calls before step() accumulate (gradient accumulation)."""
+    def _backward(self, loss):
+        # (Engine.backward divided the loss by N: each reduce-scatter's sum is the mean.)
+        # Several backward() calls before step() accumulate in the gradient shards.
         self._callback_started = False
         self.last_backward = {"start": self.comm.now()}
-        self.precision.scale_loss(loss, step=self.steps).backward()
+        loss.backward()
         if not self._callback_started:
             self._finish_backward()
         self.last_backward["end"] = self.comm.now()
 
-    # -------------------------------------------------------------- the step (Engine.step calls _step)
-    def _unused_mask(self, u):
-        """Elements of this rank's shard that belong to parameters no rank used this step."""
-        if not getattr(u, "unused_positions", None):
-            return None
-        b = u.buckets["train"]
-        mask = torch.zeros(b.padded_numel, dtype=torch.bool)
-        for i in u.unused_positions:
-            mask[b.offsets[i]:b.offsets[i] + b.sizes[i]] = True
-        return mask[b.shard(self.rank)]
-
-    @torch.no_grad()
+    # -------------------------------------------------------------- the step (Engine._step)
     def _step(self) -> bool:
         for u in self.units:            # a gathered copy would be stale after the update
-            self._release(u, "step")
+            u.release("step")
+        return super()._step()
+
+    def _trained(self) -> list:
+        return [u for u in self.units if u.master is not None]
+
+    def _step_grads(self) -> list:
         mixed = self.precision.policy.needs_master
-        train = [u for u in self.units if u.master is not None]
-        for u in train:
-            g = u.grad_shard
-            if g is None:
-                g = torch.zeros_like(u.master)
+        for u in self._trained():
+            g = u.grad_shard if u.grad_shard is not None else torch.zeros_like(u.master)
             u.master.grad = g.float() if mixed else g
-        grads = [u.master.grad for u in train]
-        if not self.precision.unscale_and_check(grads):
-            self.precision.update(found_inf=True)
-            self._drop_master_grads()
-            return False
-        if self.max_grad_norm is not None:
-            self.last_grad_norm = clip_grad_norm_(grads, self.max_grad_norm, self.comm)
-        # a parameter no rank used keeps no gradient in one process, so the optimizer leaves
-        # it (and its state) alone; here it shares a flat shard, so put those elements back
-        saved = []
+        return [u.master.grad for u in self._trained()]
+
+    def _unreached(self):
+        # a parameter no rank used keeps no gradient in one process, so the optimizer leaves it
+        # (and its state) alone; here it shares a flat shard with others
+        train = self._trained()
+        unused, k = set(), 0
         for u in train:
-            mask = self._unused_mask(u)
-            if mask is not None and mask.any():
-                state = self.optimizer.state.get(u.master, {})
-                keep = {k: v[mask].clone() for k, v in state.items()
-                        if isinstance(v, torch.Tensor) and v.shape == u.master.shape}
-                saved.append((u, mask, u.master.data[mask].clone(), keep))
-        self.optimizer.step()
-        for u, mask, values, keep in saved:
-            u.master.data[mask] = values
-            for k, v in keep.items():
-                self.optimizer.state[u.master][k][mask] = v
-        if mixed:
-            for u in train:
-                u.shard["train"].copy_(u.master)
-        self._drop_master_grads()
-        self.precision.update(found_inf=False)
-        return True
+            unused |= {k + i for i in (u.unused_positions or ())}
+            k += u.n_train
+        return self.masters, unreached_ranges([u.buckets["train"] for u in train], unused,
+                                              [u.buckets["train"].shard(self.rank) for u in train])
 
-    def _drop_master_grads(self):
+    def _publish(self):
         if self.precision.policy.needs_master:
-            for u in self.units:
-                if u.master is not None:
-                    u.master.grad = None
+            for u in self._trained():
+                u.shard["train"].copy_(u.master)
 
-    def zero_grad(self) -> None:
+    def _drop_step_grads(self):
+        if self.precision.policy.needs_master:
+            for u in self._trained():
+                u.master.grad = None
+
+    def _release_grads(self):
         for u in self.units:
             u.grad_shard = None
             u.unused_positions = None
@@ -574,13 +410,6 @@ class ZeRO3(Engine):
                 b = u.buckets["frozen"]
                 frozen += flat_segments(u.shard["frozen"], b, b.shard(self.rank), names)
         return opt, frozen, False, False
-
-    @torch.no_grad()
-    def refresh_compute(self, fill) -> None:
-        if self.precision.policy.needs_master:
-            for u in self.units:
-                if u.master is not None:
-                    u.shard["train"].copy_(u.master)
 
     def _full_values(self) -> dict:
         """Each unit's fp32 shards, all-gathered (every rank calls full_state_dict): gathered on

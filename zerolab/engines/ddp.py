@@ -1,0 +1,282 @@
+"""Bucketed data parallelism: gradients are all-reduced in flat buckets while backward runs.
+
+    engine = zl.DDP(model, partial(torch.optim.AdamW, lr=3e-4), precision="bf16", bucket_mb=25)
+    logits, loss = zl.models.gpt_loss(engine, batch)    # this rank's share of the global batch
+    engine.backward(loss)                               # gradients are averaged over ranks here
+    engine.step()                                       # every rank takes the same step
+
+Gradients land in flat bucket buffers (zerolab.buckets: p.grad is a view into bucket.grad).
+Buckets follow the reverse forward order, so the first one fills first; as soon as a bucket's
+last gradient is accumulated (a post-accumulate-grad hook) it is reduced asynchronously while
+backward continues. An end-of-backward callback launches any bucket still waiting (parameters
+the backward never reached) and waits for them all. Buckets are always launched in index
+order, so every rank issues the same collectives in the same order and nothing can deadlock.
+
+This class is also the reducer of ZeRO-1 and ZeRO-2, which change four small steps of it:
+
+    _take(p, b, i)    where a fresh gradient goes        (ZeRO-2: a pool buffer; p.grad freed)
+    _reduce(b)        the collective of bucket b           (ZeRO-1: reduce-scatter, not all-reduce)
+    _complete(b)      what happens when it has finished    (ZeRO-1: keep the owned slice)
+    _agree_unused()   which parameters no rank reached     (ZeRO: one small all-reduce of flags)
+
+and the layout: `shards[b]` is the slice of bucket b this rank updates (DDP: all of it).
+
+Three choices keep the work per step small (on a CPU, where every operation costs time on the
+same cores, they make zl.DDP faster than PyTorch's C++ DDP):
+- Engine.backward divides the LOSS by N (gloo has no average; the all-reduce's sum is the mean);
+- zero_grad() sets every p.grad to None, so the next backward copies each fresh gradient into
+  its slot of the bucket once, instead of zeroing the buckets and adding into them;
+- the optimizer is built on one flat tensor per bucket (the parameters' own buffers, or the
+  fp32 masters' in bf16/fp16), as ZeRO's is on its slices: AdamW makes a dozen calls per
+  tensor it updates, so 4 buckets instead of 53 parameter tensors (the book's GPT) more than
+  halve the optimizer's time. Any elementwise torch.optim optimizer computes the same numbers
+  as on the parameters one by one (zerolab.buckets). What it cannot do: per-parameter param
+  groups (the factory sees flat tensors), optimizers that look at a whole tensor (LAMB's trust
+  ratio; torch.optim's Adafactor and Muon are refused), and a step counter per parameter: for
+  a parameter that only SOME steps reach, Adam's bias correction is the bucket's. (One that no
+  rank reached is held still, as a single process would skip it.)
+
+Each rank sends 2 (N-1)/N of the gradient bytes per step: the paper's "2 Psi".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..buckets import FlatBuckets, unreached_ranges
+from .base import flat_segments
+from .naive_ddp import NaiveDDP
+
+
+class DDP(NaiveDDP):
+    """Bucketed data parallelism whose all-reduces overlap the backward pass.
+
+    overlap=False keeps the buckets but launches them all at the end of backward (chapter 5
+    uses it to show what overlap buys).
+    """
+
+    flat_optimizer = "zl.DDP"   # the optimizer steps on one flat tensor per bucket
+    checkpoint_kind = "ddp"
+    overlap_default = True      # launch each bucket as soon as it is full
+    reduces_in_no_sync = False  # inside no_sync gradients only accumulate (ZeRO-2 differs)
+
+    def __init__(self, model: torch.nn.Module, optimizer, *, precision="fp32", bucket_mb=25.0,
+                 max_grad_norm=None, scaler=None, track_peak: bool = True, overlap: bool | None = None,
+                 mesh=None, checkpoint_activations=False, partition_activations=False,
+                 offload_activations=False, track_activations=None):
+        self.bucket_mb = bucket_mb      # checked (and made a float) by _start
+        self.overlap = self.overlap_default if overlap is None else bool(overlap)
+        self._start(model, optimizer, precision=precision, bucket_mb=bucket_mb,
+                    max_grad_norm=max_grad_norm, scaler=scaler, track_peak=track_peak, mesh=mesh,
+                    checkpoint_activations=checkpoint_activations,
+                    partition_activations=partition_activations,
+                    offload_activations=offload_activations, track_activations=track_activations)
+
+    # -------------------------------------------------------------- layout
+    def _setup_storage(self):
+        self.bucket_mb = float(self.bucket_mb)
+        # bucket sizes count bytes in the dtype that is communicated (the compute dtype)
+        elem = torch.empty((), dtype=self.precision.compute_dtype).element_size()
+        scale = elem / self.params[0].element_size()
+        self.buckets = FlatBuckets(self.params, self.bucket_mb * 2**20 / scale, self.world_size)
+        self.device = self.params[0].device
+        self._lay_out_masters()
+        self.params = self.buckets.params     # the buckets' order: position k below
+        self._bind_grad_storage()
+        # per parameter: (its bucket, its position in the bucket, its position k in self.params)
+        self._slot = {id(p): (b, i, k) for k, (p, (b, i)) in
+                      enumerate((p, self.buckets.where[p]) for p in self.params)}
+        self._sizes = [len(b.params) for b in self.buckets.buckets]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        self._reached = [False] * len(self.params)   # did a backward of this step reach param k?
+        self._unused = set()      # positions of params no rank reached in this step
+        self._reset_backward_state()
+
+    def _lay_out_masters(self):
+        """What the optimizer updates: one flat tensor per bucket (fp32: the parameters' own buffer)."""
+        buckets = self.buckets.buckets
+        self.shards = [slice(0, b.padded_numel) for b in buckets]   # DDP updates whole buckets
+        mixed = self.precision.policy.needs_master
+        if mixed:   # fp32 masters in the same flat layout, taken from the exact fp32 values
+            self.flat_masters = [b.flat_copy(torch.float32) for b in buckets]
+            self.model.to(self.precision.compute_dtype)
+        self.buckets.bind_params()
+        if mixed:
+            self.masters = [v for b, f in zip(buckets, self.flat_masters) for v in b.views(f)]
+        else:
+            self.flat_masters = [b.data for b in buckets]
+            self.masters = self.buckets.params
+
+    def _bind_grad_storage(self):
+        self.buckets.bind_grads()
+        # The last bucket's buffer carries one extra slot per parameter: "did this rank's
+        # backward reach it?". When the last bucket is launched every other bucket has been,
+        # so those flags are known, and the same all-reduce tells every rank which parameters
+        # NO rank reached (their gradients stay None, as in a single process) for free.
+        last = self.buckets.buckets[-1]
+        self._tail = torch.zeros(last.padded_numel + len(self.buckets.params), dtype=last.grad.dtype,
+                                 device=last.grad.device)
+        last.bind_grads(out=self._tail[:last.padded_numel])
+        self._flats = [b.grad for b in self.buckets.buckets[:-1]] + [self._tail]   # what is all-reduced
+        self._grad_views = [self.buckets.buckets[b].grad_view(i)
+                            for b, i in (self.buckets.where[p] for p in self.buckets.params)]
+
+    def _optimized_tensors(self) -> list:
+        return self.flat_masters
+
+    # -------------------------------------------------------------- the reducer
+    def _reset_backward_state(self):
+        self._missing = list(self._sizes)   # per bucket: gradients this backward has not delivered
+        self._counted = set()        # ids of params delivered in this backward
+        self._next = 0               # the next bucket to launch: always in index order
+        self._pending = []           # (bucket, handle) launched and not completed, oldest first
+        self._bucket_sums = []       # DDP: each reduced bucket's sum, for the step's finite check
+        self._callback_queued = False
+        self._finished = False
+
+    def _backward(self, loss):
+        if not self._backward_done:   # the step's first backward (no_sync micro-batches follow)
+            self._reached = [False] * len(self.params)
+        self._reset_backward_state()
+        # times on the ledger's clock, for timelines: backward start, end of autograd's
+        # work, end of the last wait
+        self.last_backward = {"start": self.comm.now(), "compute_end": None, "end": None}
+        loss.backward()
+        if (self._sync or self.reduces_in_no_sync) and not self._finished:
+            # no trainable parameter was reached at all, so no hook queued the callback
+            self._finish_backward()
+
+    def _on_grad_ready(self, p):
+        # The hot path: it runs once per parameter per backward, so it does as little as it can.
+        b, i, k = self._slot[id(p)]
+        self._take(p, b, i, k)
+        self._reached[k] = True
+        if not (self._sync or self.reduces_in_no_sync):
+            return                   # no_sync: the gradient just accumulates in its bucket
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
+        if id(p) not in self._counted:   # (a hook can fire twice, e.g. reentrant checkpointing)
+            self._counted.add(id(p))
+            self._missing[b] -= 1
+        # collectives finish in launch order: complete the oldest ones that are done (this also
+        # stamps their end time within one hook of when they really finished, for timelines)
+        while self._pending and self._pending[0][1].is_completed():
+            self._wait_oldest()
+        if self.overlap:
+            while self._next < len(self._missing) and self._missing[self._next] == 0:
+                self._launch(self._next)
+
+    def _take(self, p, b, i, k):
+        """Put p's gradient in its slot of bucket b."""
+        view = self._grad_views[k]
+        if p.grad is not view:
+            # The step's first gradient for p: autograd made a fresh tensor (zero_grad set
+            # p.grad to None). Copy it into the bucket, over last step's value, and make p.grad
+            # the view, so later micro-batches accumulate in the bucket directly.
+            view.copy_(p.grad)
+            p.grad = view
+
+    def _launch(self, b):
+        self._pending.append((b, self._reduce(b)))
+        self._next = b + 1
+
+    def _reduce(self, b):
+        """Start bucket b's collective; return its handle."""
+        bucket, buf = self.buckets.buckets[b], self._flats[b]
+        if self._missing[b]:
+            # a parameter of this bucket this step did not reach keeps last step's value in its
+            # slot: it contributes zeros
+            for p in bucket.params:
+                k = self._slot[id(p)][2]
+                if not self._reached[k]:
+                    self._grad_views[k].zero_()
+        if b == len(self._flats) - 1:   # the last one carries the "reached" flags
+            buf[bucket.padded_numel:] = torch.tensor(self._reached, dtype=buf.dtype)
+        # the loss was divided by N in backward(): the SUM of the ranks' gradients is the mean
+        return self.comm.all_reduce(buf, async_op=True, tag=f"bucket{b}")
+
+    def _wait_oldest(self):
+        b, handle = self._pending.pop(0)
+        handle.wait()
+        self._complete(b)
+
+    def _complete(self, b):
+        # sum the finished bucket now: the step's finite check (fp32/bf16) then costs no pass
+        # of its own, and this rank would otherwise idle waiting for the next one
+        self._bucket_sums.append(self.buckets.buckets[b].grad.sum())
+
+    def _finish_backward(self):
+        self.last_backward["compute_end"] = self.comm.now()   # autograd has no work left
+        # Buckets with a parameter the backward never reached are still waiting: launch them
+        # now, in order. Their missing gradients are zeros (or what no_sync accumulated).
+        while self._next < len(self.buckets.buckets):
+            self._launch(self._next)
+        self._unused = self._agree_unused()
+        while self._pending:
+            self._wait_oldest()
+        self._finished = True
+        self.last_backward["end"] = self.comm.now()
+
+    def _agree_unused(self) -> set:
+        """Positions of the parameters NO rank reached this step (read from the last bucket,
+        so every all-reduce is waited for first)."""
+        while self._pending:
+            self._wait_oldest()
+        if all(self._reached):
+            return set()
+        reached = self._tail[self.buckets.buckets[-1].padded_numel:]   # summed over ranks
+        unused = set((reached == 0).nonzero().flatten().tolist())
+        # one no rank reached keeps no gradient (grad None), as in a single process, and the
+        # step holds it still; one reached on another rank only gets the averaged gradient
+        for k, p in enumerate(self.params):
+            if not self._reached[k] and k not in unused:
+                p.grad = self._grad_views[k]
+        return unused
+
+    # -------------------------------------------------------------- the step on flat tensors (Engine._step)
+    def _owned_grads(self) -> list:
+        """Per bucket, the reduced gradient of the slice this rank updates (DDP: all of it)."""
+        return [b.grad for b in self.buckets.buckets]
+
+    def _step_grads(self) -> list:
+        # one flat fp32 gradient per bucket (.float() is free in fp32): one check, scale and
+        # norm per bucket instead of per parameter (padding and unused slots are zeros)
+        for m, g in zip(self.flat_masters, self._owned_grads()):
+            m.grad = g.float()
+        return [m.grad for m in self.flat_masters]
+
+    def _grad_sums(self, grads) -> list:
+        # the bucket sums taken while backward waited for its last all-reduces
+        if len(self._bucket_sums) == len(grads):
+            return self._bucket_sums
+        return super()._grad_sums(grads)
+
+    def _unreached(self):
+        # parameters no rank reached must not move, as a single process would skip them
+        return self.flat_masters, unreached_ranges(self.buckets, self._unused, self.shards)
+
+    def _publish(self):
+        if self.precision.policy.needs_master:
+            for b, f in zip(self.buckets.buckets, self.flat_masters):
+                b.data.copy_(f)  # one cast-and-copy per bucket
+
+    def _drop_step_grads(self):
+        for m in self.flat_masters:
+            m.grad = None
+        self._bucket_sums = []
+
+    def _release_grads(self):
+        # gradients to None (PyTorch's set_to_none): the buckets keep their memory, and the
+        # next backward copies each first gradient into its slot instead of adding to zeros
+        for p in self.params:
+            p.grad = None
+        self._unused = set()
+
+    # -------------------------------------------------------------- state (memory_report,
+    # full_state_dict: Engine's, whose masters here are views into the flat tensors)
+    def checkpoint_segments(self, names):
+        # the flat tensors the optimizer updates: slice shards[b] of each bucket
+        opt = [s for b, bucket in enumerate(self.buckets.buckets)
+               for s in flat_segments(self.flat_masters[b], bucket, self.shards[b], names)]
+        return opt, self._frozen_segments(names), not self.sharded, True

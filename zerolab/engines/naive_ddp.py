@@ -1,0 +1,105 @@
+"""Data parallelism the obvious way: after backward, all-reduce each gradient, one by one.
+
+    engine = zl.NaiveDDP(model, partial(torch.optim.AdamW, lr=3e-4), precision="bf16")
+    logits, loss = zl.models.gpt_loss(engine, batch)    # this rank's share of the global batch
+    engine.backward(loss)                               # gradients are averaged over ranks here
+    engine.step()                                       # every rank takes the same step
+
+Every rank holds the whole model and the whole optimizer; after backward each gradient is
+all-reduced on its own, with a blocking call. Simple, and slow: many small messages, and the
+network sits idle during the whole backward. zerolab.engines.ddp.DDP is the fast version.
+
+What every data-parallel engine shares is here, and DDP, ZeRO-1 and ZeRO-2 inherit it:
+the set-up (zerolab.engines.setup.start_data_parallel: checks, the group, ZeRO-R's options),
+the broadcast of rank 0's weights, the measured forward and no_sync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..buckets import bucket_order
+from .base import Engine
+from .setup import broadcast_from_rank0, build_optimizer, measured_forward, start_data_parallel
+
+
+class NaiveDDP(Engine):
+    """Data parallelism the obvious way: after backward, all-reduce each gradient, one by one."""
+
+    flat_optimizer = None   # the optimizer steps parameter by parameter (DDP, ZeRO: flat buffers)
+    checkpoint_kind = "naive_ddp"
+    accumulates_after_reduce = False    # (Engine.backward)
+
+    def __init__(self, model: torch.nn.Module, optimizer, *, precision="fp32", max_grad_norm=None,
+                 scaler=None, track_peak: bool = True, mesh=None, checkpoint_activations=False,
+                 partition_activations=False, offload_activations=False,
+                 track_activations=None):
+        self._start(model, optimizer, precision=precision, max_grad_norm=max_grad_norm, scaler=scaler,
+                    track_peak=track_peak, mesh=mesh, checkpoint_activations=checkpoint_activations,
+                    partition_activations=partition_activations,
+                    offload_activations=offload_activations, track_activations=track_activations)
+
+    def _start(self, model, optimizer, **options):
+        """The constructor every data-parallel engine of this family runs (DDP and ZeRO-1/2
+        pass their own options through): set-up, identical start, storage, optimizer."""
+        start_data_parallel(self, model, optimizer, **options)
+        # ranks start identical: rank 0's parameters and buffers (frozen ones too)
+        broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), self.comm, self._src)
+        self.params = bucket_order(model)
+        self._setup_storage()
+        self.optimizer = build_optimizer(optimizer, self._optimized_tensors(), options["precision"],
+                                         self.flat_optimizer)
+
+    def _setup_storage(self):
+        if self.precision.policy.needs_master:
+            self.masters = [p.detach().clone().float() for p in self.params]
+            self.model.to(self.precision.compute_dtype)
+        else:
+            self.masters = self.params
+
+    def _optimized_tensors(self) -> list:
+        # the parameters (or their fp32 masters) in model.parameters() order, like a single process
+        return self.masters[::-1]
+
+    # -------------------------------------------------------------- forward and backward
+    def _forward(self, *inputs):
+        return measured_forward(self, *inputs)   # Engine.__call__ cast the inputs
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients over micro-batches without communicating.
+
+        The backward after the block (outside it) reduces the accumulated sum once.
+        """
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def _backward(self, loss):
+        # (Engine.backward divided the loss by N: the all-reduce's sum is the mean)
+        self.last_backward = {"start": self.comm.now()}
+        loss.backward()
+        self.last_backward["compute_end"] = self.comm.now()
+        if self._sync:
+            self._reduce_after_backward()
+        self.last_backward["end"] = self.comm.now()
+
+    def _reduce_after_backward(self):
+        # Which parameters did any rank reach? One no rank reached keeps grad None (the
+        # optimizer skips it, as in a single process); the others are reduced by every rank.
+        used = torch.tensor([float(p.grad is not None) for p in self.params])
+        self.comm.all_reduce(used, op="max", tag="used")
+        for p, u in zip(self.params, used.tolist()):
+            if u == 0.0:
+                continue
+            if p.grad is None:  # reached on another rank only: this rank contributes zeros
+                p.grad = torch.zeros_like(p)
+            self.comm.all_reduce(p.grad, tag="grad")   # a sum of grads/N: the mean
+
+    # the step, full_state_dict and memory_report: Engine's, one master per parameter. The
+    # gradients are identical on every rank after the all-reduce, so every rank's finite check
+    # and clip norm (local: full, replicated gradients) agree.

@@ -1,0 +1,62 @@
+"""The single-process engine: the reference every parallel engine is compared to.
+
+    engine = SingleProcess(model, functools.partial(torch.optim.AdamW, lr=3e-4), precision="bf16")
+    logits, loss = zl.models.gpt_loss(engine, batch)
+    engine.backward(loss)
+    applied = engine.step()      # False when an fp16 overflow skipped the step
+    engine.zero_grad()
+
+In fp32 the optimizer updates the model's own parameters. In bf16 and fp16 it follows the
+canonical mixed-precision protocol: the model holds 2-byte parameters and gradients, the
+engine holds an fp32 master copy of every trainable parameter, the optimizer (and so its
+moments) lives on the masters, and after each applied step the masters are cast back into
+the model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import Ledger
+from ..precision import MixedPrecision
+from .base import Engine
+from .setup import build_optimizer, check_max_grad_norm
+
+
+class SingleProcess(Engine):
+    """One process, one model: forward, backward, mixed-precision step, measured memory."""
+
+    def __init__(self, model: torch.nn.Module, optimizer, *, precision="fp32", max_grad_norm=None,
+                 scaler=None, track_peak: bool = True):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        check_max_grad_norm(max_grad_norm)
+        self.world_size = 1
+        self.comm = Ledger()  # one process: nothing moves, but engines share the interface
+        # No ledger for the precision checks: the reference must never talk to other ranks,
+        # even when it runs inside a multi-rank job (its verdicts are this process's own).
+        self.precision = MixedPrecision(precision, scaler=scaler, ledger=None)
+        self.model = model
+        self.max_grad_norm = max_grad_norm
+        self.track_peak = track_peak
+        self.steps = 0          # step() calls so far, applied or skipped
+        self.last_peak = 0
+        self.last_grad_norm = None
+        self.last_activations = None   # not tracked by the reference engine (the others can)
+
+        # model.parameters() yields a tied weight once, so it gets one master and one optimizer slot
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if self.precision.policy.needs_master:
+            # masters first, from the exact fp32 values; then the model becomes low precision
+            self.masters = [p.detach().clone().float() for p in self.params]
+            model.to(self.precision.compute_dtype)
+        else:
+            self.masters = self.params
+        self.optimizer = build_optimizer(optimizer, self.masters, precision)
+
+    # forward, backward, the step, full_state_dict, memory_report: Engine's, for one master
+    # per parameter
+
+    def state_dict(self) -> dict:
+        return {"model": self.full_state_dict(), "optimizer": self.optimizer.state_dict(),
+                "precision": self.precision.state_dict(), "steps": self.steps}

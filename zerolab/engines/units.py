@@ -1,0 +1,304 @@
+"""ZeRO-3's units: the groups of parameters that are gathered, used and released together.
+
+A Unit holds one flat buffer per kind ("train": trainable parameters, with gradients and optimizer
+state; "frozen": the rest) and this rank's shard of each, and carries out its own lifecycle:
+
+    partitioned --gather()--> in flight --wait()--> gathered --release()--> partitioned
+    gradient:   full (backward) --reduce_scatter()--> in flight --finish_reduce()--> this rank's shard
+
+find_units picks the units (by default the children of the model's largest nn.ModuleList /
+nn.Sequential); zerolab.engines.zero3 decides WHEN each unit does what (hooks, prefetch order).
+_InputsGradDone tells it when a unit's backward is over. A released buffer keeps its shape but
+its storage is resized to 0 (_storage_free / _storage_alloc): autograd may hold views of it, so
+the tensor itself must stay. Resizing a storage is not an operation the CPU allocation tracker
+sees, so measure_peak counts it.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import torch
+import torch.nn as nn
+
+from ..buckets import Bucket
+from ..memory import PeakMemory
+
+Event = namedtuple("Event", "time rank unit state phase")
+"""One step of a unit's lifecycle: state is gathering | gathered | in_use | reduce_scatter | released."""
+
+
+# ------------------------------------------------------------------ finding the units
+
+
+def find_units(model: nn.Module, units=None):
+    """[(name, module)] of the non-root units, and a note when none could be found.
+
+    Default: the children of the model's largest ModuleList / Sequential (by parameters).
+    `units` may name modules ("blocks.0") or pass the modules themselves.
+    """
+    named = dict(model.named_modules())
+    if units is not None:
+        out = []
+        by_id = {id(m): n for n, m in named.items()}
+        for u in units:
+            if isinstance(u, str):
+                if u not in named or u == "":
+                    raise ValueError(f"units: no submodule named {u!r} in the model")
+                out.append((u, named[u]))
+            elif isinstance(u, nn.Module) and id(u) in by_id and u is not model:
+                out.append((by_id[id(u)], u))
+            else:
+                raise ValueError(f"units: {u!r} is not a submodule of the model (nor its name)")
+        return out, None
+    best, best_size = None, 0
+    for name, m in named.items():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and m is not model:
+            size = sum(p.numel() for p in m.parameters())
+            if size > best_size:
+                best, best_size = name, size
+    if best is None:
+        return [], (f"ZeRO3: {type(model).__name__} has no nn.ModuleList or nn.Sequential to cut "
+                    "into units; the whole model is ONE root unit (gathered whole for forward and "
+                    "backward). Pass units=[...] to name submodules as units.")
+    return [(f"{best}.{n}", m) for n, m in named[best].named_children()
+            if any(True for _ in m.parameters())], None
+
+
+def group_params(model: nn.Module, found):
+    """Which unit each parameter belongs to: ([(name, module)] with the root first, [params per
+    unit], refs). A parameter inside one unit's subtree is that unit's; one shared by two units
+    (a tied weight) or outside all of them is the root's. refs: id(param) -> every (module name,
+    module, attribute) that holds it, so a meta parameter can be replaced everywhere."""
+    owners: dict = {}               # id(param) -> unit positions whose subtree holds it
+    for i, (_, m) in enumerate(found):
+        for p in m.parameters():
+            owners.setdefault(id(p), set()).add(i + 1)
+    groups = [[] for _ in range(len(found) + 1)]
+    for p in model.parameters():    # each tied weight once
+        where = owners.get(id(p), set())
+        groups[next(iter(where)) if len(where) == 1 else 0].append(p)
+    refs: dict = {}
+    for mname, m in model.named_modules():
+        for pname, p in m.named_parameters(recurse=False):
+            refs.setdefault(id(p), []).append((mname, m, pname))
+    # the root's forward is the model's forward; unit 0 is always the root
+    return [("root", model)] + list(found), groups, refs
+
+
+class Unit:
+    """A group of parameters gathered and freed together: one flat buffer per kind.
+
+    `train` holds the trainable parameters (gradients, optimizer state), `frozen` the rest
+    (gathered like the others, never reduced, no optimizer state). `comm` is the engine's
+    ledger, `record(unit, state, phase)` its event log.
+    """
+
+    def __init__(self, index, name, module, params, comm, record):
+        self.index, self.name, self.module = index, name, module
+        self.params = params            # original parameters, in model.parameters() order
+        self.comm, self.record = comm, record
+        self.buckets = {}               # "train" / "frozen" -> Bucket
+        self.full = {}                  # kind -> the full flat buffer (storage resized to 0 when free)
+        self.shard = {}                 # kind -> this rank's shard, compute dtype
+        self.master = None              # fp32 master of the train shard (an nn.Parameter)
+        self.handles = {}               # kind -> Handle of an all-gather in flight
+        self.gathered = False
+        self.grad_full = None           # full gradient while backward produces it
+        self.grad_shard = None          # this rank's reduced gradient, until zero_grad
+        self.unused_positions = None    # train positions no backward reached since zero_grad
+        self._rs = None                 # (handle, output) of a reduce-scatter in flight
+        self.reset_backward()
+
+    def reset_backward(self):
+        self.n_acc = 0                  # trainable params whose gradient was accumulated
+        self.in_backward = False
+        self.input_hooks_out = 0        # input-gradient hooks set up in forward ...
+        self.input_hooks_in = 0         # ... and fired in backward
+        self.reduced = False
+        self.used = set()               # positions (in the train bucket) that got a gradient
+
+    @property
+    def numel(self):
+        return sum(b.padded_numel for b in self.buckets.values())
+
+    @property
+    def n_train(self):
+        return len(self.buckets["train"].params) if "train" in self.buckets else 0
+
+    def materialize(self, model, refs, init_fn, world_size, rank, src, dtype, mixed):
+        """Give this unit its flat buffers and this rank's shards, holding at most this ONE unit
+        in full: meta parameters are created and initialised here (init_fn(name, module)); real
+        ones become views into the flat buffer. Every rank starts from rank `src`'s values."""
+        for kind, params in (("train", [p for p in self.params if p.requires_grad]),
+                             ("frozen", [p for p in self.params if not p.requires_grad])):
+            if not params:
+                continue
+            if params[0].device.type == "meta":
+                flat = torch.zeros(-(-sum(p.numel() for p in params) // world_size) * world_size)
+                new = []
+                offset = 0
+                for p in params:
+                    q = nn.Parameter(flat[offset:offset + p.numel()].view(p.shape), requires_grad=p.requires_grad)
+                    offset += p.numel()
+                    for _, m, pname in refs[id(p)]:
+                        m._parameters[pname] = q      # every module that uses p (tied) gets q
+                    new.append(q)
+                # initialise in model order, so tied weights end as a plain build leaves them
+                done = {id(q) for q in new}
+                with torch.no_grad():
+                    for mname, m in model.named_modules():
+                        if any(id(q) in done for q in m.parameters(recurse=False)):
+                            init_fn(mname, m)
+                b = Bucket(0, new, world_size)
+                b.data = flat
+            else:
+                b = Bucket(0, params, world_size)
+                with torch.no_grad():
+                    b.bind_params()           # parameters become views into b.data
+            self.comm.broadcast(b.data, src=src, tag="setup")   # ranks start identical (in place)
+            if mixed:
+                if kind == "train":           # the fp32 master shard, from the exact fp32 values
+                    master = b.data[b.shard(rank)].clone()
+                b.data = b.data.to(dtype)     # then the unit becomes low precision
+                for view, p in zip(b.views(b.data), b.params):
+                    p.data = view
+            self.buckets[kind] = b
+            self.full[kind] = b.data
+            self.shard[kind] = b.data[b.shard(rank)].clone()
+            _storage_free(b.data)             # from now on this rank holds only its shard
+        self.params = [p for b in self.buckets.values() for p in b.params]
+        if "train" in self.buckets:
+            self.master = nn.Parameter(master if mixed else self.shard["train"])
+            if not mixed:
+                self.shard["train"] = self.master.data
+        for pos, p in enumerate(self.buckets["train"].params if "train" in self.buckets else []):
+            p._zero3_pos = pos
+
+    # -------------------------------------------------------------- parameters
+    def gather(self, phase):
+        """Issue the all-gather(s) of the full buffers (nothing if gathered or in flight)."""
+        if self.gathered or self.handles:
+            return
+        self.record(self, "gathering", phase)
+        for kind, full in self.full.items():
+            _storage_alloc(full)
+            self.handles[kind] = self.comm.all_gather(full, self.shard[kind], async_op=True,
+                                                      tag=f"gather:{self.name}")
+
+    def wait(self, phase) -> float:
+        """Block until gathered (gathering first if nobody did); return the seconds waited."""
+        if self.gathered:
+            return 0.0
+        self.gather(phase)
+        t0 = self.comm.now()
+        for h in self.handles.values():
+            h.wait()
+        self.handles = {}
+        self.gathered = True
+        self.record(self, "gathered", phase)
+        return self.comm.now() - t0
+
+    def release(self, phase):
+        """Free the full buffers (a prefetch nobody used is finished first)."""
+        if self.handles:
+            self.wait(phase)
+        if not self.gathered:
+            return
+        for full in self.full.values():
+            _storage_free(full)
+        self.gathered = False
+        self.record(self, "released", phase)
+
+    # -------------------------------------------------------------- gradients
+    def accumulate(self, p, pos):
+        """Add parameter p's gradient (position pos of the train bucket) to the full gradient."""
+        b = self.buckets["train"]
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(b.padded_numel, dtype=p.dtype, device=p.device)
+        self.grad_full[b.offsets[pos]:b.offsets[pos] + b.sizes[pos]].view(p.shape).add_(p.grad)
+        if pos not in self.used:
+            self.used.add(pos)
+            self.n_acc += 1
+
+    def reduce_scatter(self):
+        """Start reducing the full gradient to this rank's shard (the loss was divided by N, so
+        the sum is the mean). Zeros if no gradient reached the unit on this rank."""
+        b = self.buckets["train"]
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(b.padded_numel, dtype=b.data.dtype, device=b.data.device)
+        out = torch.empty(b.padded_numel // b.world_size, dtype=self.grad_full.dtype, device=b.data.device)
+        self.record(self, "reduce_scatter", "backward")
+        self._rs = (self.comm.reduce_scatter(out, self.grad_full, async_op=True,
+                                             tag=f"reduce:{self.name}"), out)
+
+    def finish_reduce(self):
+        """Wait for the reduce-scatter; keep (or add to) the gradient shard, free the full gradient."""
+        handle, out = self._rs
+        handle.wait()
+        self._rs, self.grad_full = None, None
+        if self.grad_shard is None:
+            self.grad_shard = out
+        else:                           # a later micro-batch: accumulate the shard in fp32
+            if self.grad_shard.dtype != torch.float32:
+                self.grad_shard = self.grad_shard.float()
+            self.grad_shard.add_(out)
+
+
+class _InputsGradDone(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once the unit's backward is finished."""
+
+    @staticmethod
+    def forward(ctx, engine, unit, *tensors):
+        ctx.engine, ctx.unit = engine, unit
+        return tensors if len(tensors) != 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.engine._on_inputs_grad(ctx.unit)
+        return (None, None) + grads
+
+
+# Resizing a storage is not an aten operation, so the CPU AllocationTracker behind
+# PeakMemory cannot see it: the gathered buffers report their own allocations and frees to
+# every region opened with measure_peak() (CUDA's allocator sees them without help).
+_ACTIVE: list = []
+
+
+def _note(delta: int, key=None) -> None:
+    for tr in _ACTIVE:
+        if key is not None and key in tr._live:   # allocated by an op inside the region
+            delta = -tr._live.pop(key)
+        tr.current += delta
+        tr.peak = max(tr.peak, tr.current)
+
+
+class measure_peak(PeakMemory):
+    """PeakMemory that also counts ZeRO-3's gathered buffers (allocated by resizing storage)."""
+
+    def __enter__(self):
+        super().__enter__()
+        if self._tracker is not None:
+            _ACTIVE.append(self._tracker)
+        return self
+
+    def __exit__(self, *exc):
+        if self._tracker in _ACTIVE:
+            _ACTIVE.remove(self._tracker)
+        return super().__exit__(*exc)
+
+
+def _storage_free(t: torch.Tensor):
+    st = t.untyped_storage()
+    if st.nbytes():
+        key = (st.device.type, st.device.index, st.data_ptr())
+        nbytes = st.nbytes()
+        st.resize_(0)
+        _note(-nbytes, key)
+
+
+def _storage_alloc(t: torch.Tensor):
+    nbytes = t.numel() * t.element_size()
+    if t.untyped_storage().nbytes() != nbytes:
+        t.untyped_storage().resize_(nbytes)
+        _note(nbytes)
