@@ -20,22 +20,22 @@ Under torchrun (RANK and WORLD_SIZE in the environment) there is nothing to star
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import pickle
 import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
-import traceback
 import warnings
 import multiprocessing as mp
 from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
+
+from . import launch_worker
+from .launch_worker import NCCL_WITH_CPU
 
 
 class LaunchError(RuntimeError):
@@ -125,10 +125,6 @@ def _choose_backend(world_size: int, backend: str | None) -> str:
     return "gloo"
 
 
-# Under NCCL, CPU tensors travel over gloo: NCCL alone has no CPU path, and a chapter or test
-# that builds its model on the CPU (as they all do) must still run when a GPU happens to be
-# there (world_size 1 picks NCCL on any GPU box). CUDA tensors still go over NCCL.
-NCCL_WITH_CPU = "cpu:gloo,cuda:nccl"
 
 _said: set[str] = set()
 
@@ -140,6 +136,9 @@ def _say_once(message: str) -> None:
 
 
 # --------------------------------------------------------------------- the worker side
+#
+# What runs inside each started process (meeting the others, initialising torch.distributed,
+# running fn, sending its value back) is zerolab.launch_worker.
 
 
 def _free_port(addr: str) -> int:
@@ -147,91 +146,6 @@ def _free_port(addr: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((addr, 0))
         return s.getsockname()[1]
-
-
-def _watch_parent() -> None:
-    """End this worker if the launching process goes away, so no orphan is left running."""
-    parent = mp.parent_process()
-    if parent is not None:
-        wait([parent.sentinel])  # becomes ready when the parent exits
-        os._exit(1)
-
-
-_LISTENER = []  # rank 0's listening socket: kept alive as long as its store
-
-
-def _rendezvous(rank_, world_size_, addr, port, timeout):
-    """The key-value store the ranks meet through, listening on `addr` only.
-
-    TCPStore on its own listens on every interface; handing it a socket we bound ourselves
-    keeps it on 127.0.0.1, so nothing a launch starts is reachable from another machine.
-    """
-    wait = datetime.timedelta(seconds=timeout)
-    if rank_ == 0:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((addr, port))
-        sock.listen(128)
-        _LISTENER.append(sock)
-        return dist.TCPStore(addr, port, world_size_, True, timeout=wait, wait_for_workers=False,
-                             master_listen_fd=sock.fileno())
-    return dist.TCPStore(addr, port, world_size_, False, timeout=wait)
-
-
-def _count_in(store, key: str, world_size_: int, add: bool = True) -> None:
-    """Add this rank to a counter in the store, then wait until every rank has."""
-    count = store.add(key, 1 if add else 0)
-    while count < world_size_:
-        time.sleep(0.001)
-        count = store.add(key, 0)
-
-
-def _worker(fn, args, rank_, world_size_, addr, port, backend, timeout, conn, log_path):
-    # Workers print nothing to the caller: stdout and stderr (also of C++ code) go to a log.
-    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.dup2(log_fd, 1)
-    os.dup2(log_fd, 2)
-    threading.Thread(target=_watch_parent, daemon=True).start()
-
-    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank_),
-                      WORLD_SIZE=str(world_size_), LOCAL_RANK=str(rank_),
-                      LOCAL_WORLD_SIZE=str(world_size_), ZEROLAB_WORKER="1")
-    if addr.startswith("127."):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets on loopback too
-    torch.set_num_threads(1)  # one compute thread per CPU rank: ranks must not fight for cores
-    store = None
-    try:
-        kwargs = {}
-        if backend == "nccl":
-            torch.cuda.set_device(rank_)
-            kwargs["device_id"] = torch.device("cuda", rank_)
-        store = _rendezvous(rank_, world_size_, addr, port, timeout)
-        dist.init_process_group(NCCL_WITH_CPU if backend == "nccl" else backend, store=store,
-                                rank=rank_, world_size=world_size_,
-                                timeout=datetime.timedelta(seconds=timeout), **kwargs)
-        _count_in(store, "zerolab/initialised", world_size_)  # nobody starts before all are connected
-        value = fn(*args)
-        try:
-            payload = pickle.dumps(("ok", value))
-        except Exception as exc:  # noqa: BLE001
-            payload = pickle.dumps(("error", f"the value returned by fn cannot be sent back "
-                                             f"to the parent: {exc!r}"))
-    except BaseException:  # noqa: BLE001 - any failure is reported, with its traceback
-        payload = pickle.dumps(("error", traceback.format_exc()))
-    conn.send_bytes(payload)
-    conn.close()
-    if store is not None:
-        # rank 0 hosts the store the others still talk to: it leaves last
-        store.add("zerolab/finished", 1)
-        if rank_ == 0:
-            _count_in(store, "zerolab/finished", world_size_, add=False)
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - the result is already sent
-            pass
-    sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown: nothing is left to do and it can be slow
 
 
 # --------------------------------------------------------------------- the parent side
@@ -358,7 +272,7 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
         for r in range(world_size):
             receive, send = ctx.Pipe(duplex=False)
             log = os.path.join(logdir, f"rank{r}.log")
-            p = ctx.Process(target=_worker, name=f"zerolab-rank{r}",
+            p = ctx.Process(target=launch_worker.run, name=f"zerolab-rank{r}",
                             args=(fn, tuple(args), r, world_size, addr, port, backend, timeout, send, log))
             try:
                 with _main_module_hidden(fn):

@@ -30,11 +30,13 @@ def changes(cls) -> dict:
     return {"base": base.__name__, "methods": rows, "lines": sum(n for _, _, n in rows)}
 
 
-def show_changes(cls, names=None) -> None:
+def show_changes(cls, names=None, summary=True) -> None:
     """Print the source of the methods `cls` writes itself (or only `names`), then a summary line."""
     for name, fn in own_methods(cls):
         if names is None or name in names:
             print(textwrap.dedent(inspect.getsource(fn)))
+    if not summary:
+        return
     c = changes(cls)
     new = [n for n, over, _ in c["methods"] if not over]
     print(f"{cls.__name__}({c['base']}): {len(c['methods'])} methods, {c['lines']} lines; "

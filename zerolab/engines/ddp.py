@@ -91,6 +91,7 @@ class DDP(NaiveDDP):
         self._reached = [False] * len(self.params)   # did a backward of this step reach param k?
         self._unused = set()      # positions of params no rank reached in this step
         self._reset_backward_state()
+        self._release_grads()     # no gradient until the first backward, as in PyTorch
 
     def _lay_out_masters(self):
         """What the optimizer updates: one flat tensor per bucket (fp32: the parameters' own buffer)."""

@@ -14,7 +14,7 @@ What this class changes in ZeRO-1:
 
 * _take: the gradient goes to a pool buffer, and p.grad is freed;
 * _reduce / _complete: reduce-scatter from the pool buffer into the owned slice, then give the
-  buffer back;
+  buffer back (and, after the last bucket, release the pool);
 * no_sync cannot skip communication (there is no full gradient to accumulate into): every
   micro-batch is reduce-scattered and added to the owned slice, so backward() may run several
   times before step(), inside no_sync or not;
@@ -103,10 +103,8 @@ class ZeRO2(ZeRO1):
                 self._acc32[b].add_(more)
         self._filled[b] = True
         self._free.append(self._buffer_of.pop(b))
-
-    def _finish_backward(self):
-        super()._finish_backward()
-        self._release_pool()     # the pool is released between backwards
+        if not self._pending and self._next == len(self.buckets.buckets):
+            self._release_pool()     # the last bucket is reduced: no buffer is kept between backwards
 
     def _grad_tensors(self) -> list:
         held = super()._grad_tensors() + list(self._buffer_of.values()) + self._free

@@ -222,12 +222,7 @@ class ZeRO3(Engine):
 
     @staticmethod
     def _dedupe(order):
-        seen, out = set(), []
-        for u in order:
-            if id(u) not in seen:
-                seen.add(id(u))
-                out.append(u)
-        return out
+        return list(dict.fromkeys(order))   # each unit once, at its first place
 
     def _end_forward(self):
         # Ranks must run the same units, or their collectives pair up wrongly: compare the

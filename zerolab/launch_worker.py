@@ -1,0 +1,115 @@
+"""One rank of zl.launch: what runs inside each started process.
+
+zerolab.launch (the parent side) starts `run` in a fresh process per rank. The rank meets the
+others through a key-value store on 127.0.0.1 (rank 0 hosts it), initialises torch.distributed,
+runs fn(*args) and sends back what it returned, or its traceback. Its stdout and stderr go to
+a log file the parent shows only if something fails, and it ends itself if the parent goes away,
+so no orphan is left running.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import sys
+import threading
+import time
+import traceback
+import multiprocessing as mp
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+
+# Under NCCL, CPU tensors travel over gloo: NCCL alone has no CPU path, and a chapter or test
+# that builds its model on the CPU (as they all do) must still run when a GPU happens to be
+# there (world_size 1 picks NCCL on any GPU box). CUDA tensors still go over NCCL.
+NCCL_WITH_CPU = "cpu:gloo,cuda:nccl"
+
+def _watch_parent() -> None:
+    """End this worker if the launching process goes away, so no orphan is left running."""
+    parent = mp.parent_process()
+    if parent is not None:
+        wait([parent.sentinel])  # becomes ready when the parent exits
+        os._exit(1)
+
+
+_LISTENER = []  # rank 0's listening socket: kept alive as long as its store
+
+
+def _rendezvous(rank_, world_size_, addr, port, timeout):
+    """The key-value store the ranks meet through, listening on `addr` only.
+
+    TCPStore on its own listens on every interface; handing it a socket we bound ourselves
+    keeps it on 127.0.0.1, so nothing a launch starts is reachable from another machine.
+    """
+    wait = datetime.timedelta(seconds=timeout)
+    if rank_ == 0:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr, port))
+        sock.listen(128)
+        _LISTENER.append(sock)
+        return dist.TCPStore(addr, port, world_size_, True, timeout=wait, wait_for_workers=False,
+                             master_listen_fd=sock.fileno())
+    return dist.TCPStore(addr, port, world_size_, False, timeout=wait)
+
+
+def _count_in(store, key: str, world_size_: int, add: bool = True) -> None:
+    """Add this rank to a counter in the store, then wait until every rank has."""
+    count = store.add(key, 1 if add else 0)
+    while count < world_size_:
+        time.sleep(0.001)
+        count = store.add(key, 0)
+
+
+def run(fn, args, rank_, world_size_, addr, port, backend, timeout, conn, log_path):
+    """The body of one started rank: its output to a log, torch.distributed up, fn(*args), the
+    value (or the traceback) sent back through `conn`, then a quick exit."""
+    # Workers print nothing to the caller: stdout and stderr (also of C++ code) go to a log.
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    threading.Thread(target=_watch_parent, daemon=True).start()
+
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank_),
+                      WORLD_SIZE=str(world_size_), LOCAL_RANK=str(rank_),
+                      LOCAL_WORLD_SIZE=str(world_size_), ZEROLAB_WORKER="1")
+    if addr.startswith("127."):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets on loopback too
+    torch.set_num_threads(1)  # one compute thread per CPU rank: ranks must not fight for cores
+    store = None
+    try:
+        kwargs = {}
+        if backend == "nccl":
+            torch.cuda.set_device(rank_)
+            kwargs["device_id"] = torch.device("cuda", rank_)
+        store = _rendezvous(rank_, world_size_, addr, port, timeout)
+        dist.init_process_group(NCCL_WITH_CPU if backend == "nccl" else backend, store=store,
+                                rank=rank_, world_size=world_size_,
+                                timeout=datetime.timedelta(seconds=timeout), **kwargs)
+        _count_in(store, "zerolab/initialised", world_size_)  # nobody starts before all are connected
+        value = fn(*args)
+        try:
+            payload = pickle.dumps(("ok", value))
+        except Exception as exc:  # noqa: BLE001
+            payload = pickle.dumps(("error", f"the value returned by fn cannot be sent back "
+                                             f"to the parent: {exc!r}"))
+    except BaseException:  # noqa: BLE001 - any failure is reported, with its traceback
+        payload = pickle.dumps(("error", traceback.format_exc()))
+    conn.send_bytes(payload)
+    conn.close()
+    if store is not None:
+        # rank 0 hosts the store the others still talk to: it leaves last
+        store.add("zerolab/finished", 1)
+        if rank_ == 0:
+            _count_in(store, "zerolab/finished", world_size_, add=False)
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the result is already sent
+            pass
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown: nothing is left to do and it can be slow
