@@ -25,7 +25,8 @@ def test_train_reports_and_plots(tmp_path):
                 "--plot", str(png), "--no-progress"])
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    assert "strategy=single" in text and "world size 2" in text and "tokens/s" in text
+    # no --strategy with 2 ranks: data parallel, as torchrun users expect (never 2 unrelated runs)
+    assert "strategy=ddp" in text and "world size 2" in text and "tokens/s" in text
     rows = [l.split() for l in text.splitlines() if l.strip()[:1].isdigit() and "MiB" in l]
     assert [r[0] for r in rows] == ["0", "1"], "one memory line per rank"
     first, last = _losses(text)

@@ -21,7 +21,8 @@ def main(argv=None) -> int:
     sub.required = True
 
     from . import train
-    p_train = sub.add_parser("train", help="train the book's GPT and report what was measured")
+    p_train = sub.add_parser("train", help="train the book's GPT and report what was measured",
+                             formatter_class=train.HelpWithDefaults)
     train.add_arguments(p_train)
 
     p_cons = sub.add_parser("consolidate", help="turn a sharded checkpoint into one fp32 state dict")

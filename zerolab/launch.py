@@ -108,6 +108,10 @@ def _check_launchable(fn, world_size, timeout, backend) -> None:
             raise ValueError(
                 f"launch: fn {name!r} was defined in a notebook cell or an interactive session. "
                 f"{why}a cell. Move it into a .py file and import it.")
+        if not os.path.isfile(main.__file__):   # `python - < script.py`: __file__ is '<stdin>'
+            raise ValueError(
+                f"launch: fn {name!r} was defined in a script read from standard input "
+                f"({main.__file__}). {why}a stream. Save the script to a file and run that file.")
     try:
         pickle.dumps(fn)
     except Exception as exc:  # noqa: BLE001 - report any pickling failure the same way
@@ -363,6 +367,12 @@ def _collect(procs, conns, logs, timeout):
                     # an error that reports a vanished peer is worth waiting a little longer on
                     echo = any(w in value for w in ("closed by peer", "remote worker", "Connection reset"))
                     _raise_root_cause(procs, conns, logs, pending - {r}, grace=3.0 if echo else 0.3)
+                    if echo and results:
+                        # nobody crashed: a rank that returned left the others in a collective
+                        raise LaunchError(
+                            f"launch: rank(s) {sorted(results)} finished and returned while rank {r} was "
+                            "still in a collective with them: the ranks ran different numbers of steps "
+                            f"or collectives (no rank crashed). Rank {r}'s error:\n{value}", r)
                     raise LaunchError(f"launch: rank {r} raised an exception:\n{value}", r)
                 results[r] = value
                 pending.discard(r)

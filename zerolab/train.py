@@ -5,7 +5,7 @@ share of every step's global batch. The parent shows a progress bar fed by rank 
 a report: final loss, tokens per second, measured memory per rank, bytes each rank sent, and
 writes the loss curve as a PNG.
 
-Strategies:
+Strategies (--strategy; the default is ddp with more than one rank, single with one):
     single   every rank runs the single-process reference on the whole global batch
              (no communication; what every other engine must reproduce)
     ddp      zl.DDP, each rank on its share of the batch
@@ -344,17 +344,27 @@ def plot_losses(results: list, path: str, title: str = "") -> None:
     plt.close(fig)
 
 
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each option's default, except where there is none to show (None, a flag)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action.default, bool) or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", default="tiny", choices=sorted(models.SIZES), help="GPT size")
-    parser.add_argument("--strategy", default="single", choices=available_strategies(),
-                        help="how the ranks share the work")
-    parser.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    parser.add_argument("--strategy", default=None, choices=available_strategies(),
+                        help="how the ranks share the work (default: ddp with more than one rank, "
+                             "single with one)")
+    parser.add_argument("--precision", default="fp32", choices=PRECISIONS, help="compute precision")
     parser.add_argument("--world-size", type=int, default=2, help="ranks to launch (ignored under torchrun)")
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=100, help="training steps")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model's initialisation")
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size, MB (ddp, zero1, zero2)")
     parser.add_argument("--plot", default="zerolab-loss.png", help="where to write the loss curve PNG")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--save-every", type=int, default=0, metavar="N",
@@ -371,8 +381,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    cfg = TrainConfig(size=args.size, strategy=args.strategy, precision=args.precision,
-                      world_size=int(os.environ.get("WORLD_SIZE", args.world_size)),
+    world = int(os.environ.get("WORLD_SIZE", args.world_size))   # torchrun sets WORLD_SIZE
+    strategy = args.strategy or ("ddp" if world > 1 else "single")
+    cfg = TrainConfig(size=args.size, strategy=strategy, precision=args.precision, world_size=world,
                       steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                       bucket_mb=args.bucket_mb, save_every=args.save_every,
                       save_dir=args.save_dir or ("zerolab-ckpt" if args.save_every else None),

@@ -31,11 +31,15 @@ engines redefine _step_grads, _publish, _release_grads, _full_values and _memory
 
 from __future__ import annotations
 
+import math
+
 import torch
+from torch.utils._pytree import tree_map
 
 from ..buckets import held_still
 from ..memory import PeakMemory, live_bytes, optimizer_tensors
 from ..precision import clip_grad_norm_
+from .setup import check_max_grad_norm, measured_forward
 
 
 def flat_segments(tensor, bucket, shard, names) -> list:
@@ -63,16 +67,40 @@ class Engine:
     _sync = True                # False inside no_sync()
     _backward_done = False      # a backward ran since the last step() / zero_grad()
     _reduced = False            # a synced backward's gradients are waiting for step()
+    track_activations = False   # measure the activations each forward leaves (engines.setup)
+    _clip_next = None           # max_norm of a clip_grad_norm_() call, for the next step
 
     # -------------------------------------------------------------- forward
-    def __call__(self, *inputs):
+    def __call__(self, *args, **kwargs):
+        """The forward, called as the model is (keywords and nested inputs too: a Hugging Face
+        model's input_ids=..., labels=...). Floating tensors are cast to the compute dtype."""
         dtype = self.precision.compute_dtype
-        inputs = [x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-                  for x in inputs]
-        return self._forward(*inputs)
+        args, kwargs = tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
+                                else x, (args, kwargs))
+        return self._forward(*args, **kwargs)
 
-    def _forward(self, *inputs):
-        return self.model(*inputs)
+    def _forward(self, *args, **kwargs):
+        # the model's forward; with track_activations, also the bytes it leaves alive
+        return measured_forward(self, *args, **kwargs)
+
+    # -------------------------------------------------------------- what a PyTorch wrapper offers
+    @property
+    def module(self) -> torch.nn.Module:
+        """The wrapped model (as DistributedDataParallel.module)."""
+        return self.model
+
+    def parameters(self, recurse: bool = True):
+        return self.model.parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.model.named_parameters(*args, **kwargs)
+
+    def train(self, mode: bool = True):
+        self.model.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
 
     # -------------------------------------------------------------- backward
     def backward(self, loss: torch.Tensor) -> None:
@@ -116,10 +144,10 @@ class Engine:
             self.precision.update(found_inf=True)
             self._drop_step_grads()
             return False
-        if self.max_grad_norm is not None:
+        max_norm, self._clip_next = self._clip_next or self.max_grad_norm, None
+        if max_norm is not None:
             # sharded engines hold disjoint slices: their squared norms are summed over ranks
-            self.last_grad_norm = clip_grad_norm_(grads, self.max_grad_norm,
-                                                  self.comm if self.sharded else None)
+            self.last_grad_norm = clip_grad_norm_(grads, max_norm, self.comm if self.sharded else None)
         with held_still(self.optimizer, *self._unreached()):
             self.optimizer.step()
         self._publish()
@@ -218,6 +246,55 @@ class Engine:
         out["peak"] = self.last_peak
         out["activations"] = self.last_activations
         return out
+
+    def state_dict(self) -> dict:
+        """The model's own keys, consolidated fp32 values on CPU (full_state_dict: with sharded
+        engines every rank must call it). torch.save it; any nn.Module of the same shape, or
+        this engine's load_state_dict, reads it back."""
+        return self.full_state_dict()
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Set every parameter and buffer from a full state dict (the model's keys), wherever
+        this rank keeps it: fp32 masters, owned slices, unit shards; then the compute copies.
+        Optimizer state is untouched (zerolab.checkpoint saves and restores it too)."""
+        mine = self.model.state_dict(keep_vars=True)
+        missing, extra = sorted(set(mine) - set(state_dict)), sorted(set(state_dict) - set(mine))
+        bad = [k for k in mine if k in state_dict and tuple(state_dict[k].shape) != tuple(mine[k].shape)]
+        if missing or extra or bad:
+            raise ValueError(f"load_state_dict: the state dict does not fit the model: missing keys {missing}, "
+                             f"unexpected keys {extra}, wrong shapes {bad}")
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        opt, frozen, _, _ = self.checkpoint_segments(names)
+        for t, t_lo, name, lo, hi in opt + frozen:
+            t.view(-1)[t_lo:t_lo + hi - lo].copy_(state_dict[name].reshape(-1)[lo:hi])
+        self.refresh_compute(lambda flat, p: flat.copy_(state_dict[names[id(p)]].reshape(-1)))
+        for name, b in self.model.named_buffers():
+            b.copy_(state_dict[name])
+
+    def clip_grad_norm_(self, max_norm) -> float:
+        """torch.nn.utils.clip_grad_norm_ for an engine: call it between backward() and step().
+
+        Returns the L2 norm of the whole gradient (every rank's shard, tied weights once,
+        unscaled in fp16); the next step() scales the gradients so it is at most max_norm (as
+        max_grad_norm= does at every step). Clipping model.parameters() yourself would see only
+        this rank's piece, or no gradient at all, in the sharded engines."""
+        check_max_grad_norm(max_norm)
+        if max_norm is None or not self._backward_done:
+            raise (ValueError("clip_grad_norm_: max_norm must be a number > 0") if max_norm is None else
+                   RuntimeError("clip_grad_norm_() called before backward(): there is no gradient to clip"))
+        sq = torch.zeros(1, dtype=torch.float32)
+        for g in self._owned_grads():
+            if g is not None:
+                sq += g.detach().float().pow(2).sum()
+        if self.sharded:
+            self.comm.all_reduce(sq, tag="grad_norm")
+        self._clip_next = float(max_norm)
+        return math.sqrt(sq.item()) / self.precision.scale    # (1 unless fp16 scales the loss)
+
+    def _owned_grads(self) -> list:
+        """The gradients this rank holds for the tensors it updates (here: one per parameter)."""
+        return [p.grad for p in self.params]
 
     # -------------------------------------------------------------- what a checkpoint holds
     checkpoint_kind = "single"     # the engine's name in a checkpoint's metadata

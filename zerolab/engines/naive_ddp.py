@@ -22,7 +22,7 @@ import torch
 
 from ..buckets import bucket_order
 from .base import Engine
-from .setup import broadcast_from_rank0, build_optimizer, measured_forward, start_data_parallel
+from .setup import broadcast_from_rank0, build_optimizer, start_data_parallel
 
 
 class NaiveDDP(Engine):
@@ -64,9 +64,6 @@ class NaiveDDP(Engine):
         return self.masters[::-1]
 
     # -------------------------------------------------------------- forward and backward
-    def _forward(self, *inputs):
-        return measured_forward(self, *inputs)   # Engine.__call__ cast the inputs
-
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients over micro-batches without communicating.

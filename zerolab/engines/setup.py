@@ -168,10 +168,24 @@ def enable_residual(model, mesh, checkpoint_activations, partition_activations, 
 WHOLE_TENSOR_OPTIMIZERS = tuple(getattr(torch.optim, n) for n in ("Adafactor", "Muon") if hasattr(torch.optim, n))
 
 
-def _check_elementwise(optimizer, flat_engine: str) -> None:
+def _optimizer_class(optimizer):
+    """The class behind an optimizer, its class, or a functools.partial of it (else None)."""
     kind = optimizer if isinstance(optimizer, type) else (
         type(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else getattr(optimizer, "func", None))
-    if isinstance(kind, type) and issubclass(kind, WHOLE_TENSOR_OPTIMIZERS):
+    return kind if isinstance(kind, type) else None
+
+
+def _check_no_closure(optimizer) -> None:
+    kind = _optimizer_class(optimizer)
+    if kind is not None and issubclass(kind, torch.optim.LBFGS):
+        raise TypeError(f"{kind.__name__} needs a closure that re-evaluates the loss at every step; zerolab "
+                        "engines call optimizer.step() once per step, without one. Use a first-order "
+                        "optimizer (SGD, Adam, AdamW, ...).")
+
+
+def _check_elementwise(optimizer, flat_engine: str) -> None:
+    kind = _optimizer_class(optimizer)
+    if kind is not None and issubclass(kind, WHOLE_TENSOR_OPTIMIZERS):
         raise TypeError(
             f"{flat_engine} runs the optimizer on flat buffers (one tensor per bucket), but "
             f"{kind.__name__} updates each element from its whole tensor (norms, matrix shape), so it "
@@ -196,6 +210,7 @@ def check_optimizer_factory(optimizer, precision: str, flat_engine: str | None =
     if not callable(optimizer):
         raise TypeError(f"optimizer must be a callable params -> torch.optim.Optimizer, "
                         f"e.g. functools.partial(torch.optim.AdamW, lr=3e-4); got {optimizer!r}")
+    _check_no_closure(optimizer)
     if flat_engine is not None:
         _check_elementwise(optimizer, flat_engine)
 
@@ -206,6 +221,7 @@ def build_optimizer(optimizer, params, precision: str, flat_engine: str | None =
     opt = optimizer(params)
     if not isinstance(opt, torch.optim.Optimizer):
         raise TypeError(f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
+    _check_no_closure(opt)
     if flat_engine is not None:
         _check_elementwise(opt, flat_engine)
     return opt
@@ -244,16 +260,16 @@ def start_data_parallel(engine, model, optimizer, *, precision, scaler, max_grad
     check_same_model(model, engine.comm, engine._src)
 
 
-def measured_forward(engine, *inputs):
-    """engine.model(*inputs); with track_activations, also the bytes the forward leaves alive.
+def measured_forward(engine, *inputs, **kwargs):
+    """engine.model(*inputs, **kwargs); with track_activations, also the bytes the forward leaves alive.
 
     Those bytes (saved tensors, checkpoints, offloaded slices, the output) are what backward
     needs: memory_report()["activations"]. MEASURED with an allocation tracker, never derived.
     """
     if not engine.track_activations:
-        return engine.model(*inputs)
+        return engine.model(*inputs, **kwargs)
     with AllocationTracker() as tracker:
-        out = engine.model(*inputs)
+        out = engine.model(*inputs, **kwargs)
     mesh = getattr(engine, "mesh", None)
     # tensor parallelism all-reduces inside forward, and gloo's worker thread may hold the
     # last tensor for a moment after the call returned: let the count settle

@@ -20,7 +20,7 @@ import torch
 from ..comm import Ledger
 from ..precision import MixedPrecision
 from .base import Engine
-from .setup import build_optimizer, check_max_grad_norm
+from .setup import build_optimizer, check_max_grad_norm, check_optimizer_factory
 
 
 class SingleProcess(Engine):
@@ -31,6 +31,7 @@ class SingleProcess(Engine):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         check_max_grad_norm(max_grad_norm)
+        check_optimizer_factory(optimizer, precision)     # before the model is touched
         self.world_size = 1
         self.comm = Ledger()  # one process: nothing moves, but engines share the interface
         # No ledger for the precision checks: the reference must never talk to other ranks,
@@ -56,7 +57,3 @@ class SingleProcess(Engine):
 
     # forward, backward, the step, full_state_dict, memory_report: Engine's, for one master
     # per parameter
-
-    def state_dict(self) -> dict:
-        return {"model": self.full_state_dict(), "optimizer": self.optimizer.state_dict(),
-                "precision": self.precision.state_dict(), "steps": self.steps}

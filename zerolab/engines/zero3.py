@@ -43,7 +43,9 @@ memory_report) is zerolab.engines.base.Engine's; initialising a GPT built on the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
+from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
@@ -52,8 +54,22 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..buckets import unreached_ranges
 from ..memory import optimizer_tensors
 from .base import Engine, flat_segments
-from .setup import broadcast_from_rank0, build_optimizer, measured_forward, start_data_parallel
+from .setup import broadcast_from_rank0, build_optimizer, start_data_parallel
 from .units import Event, Unit, _InputsGradDone, find_units, group_params, measure_peak
+
+
+def _tensors_in(output) -> list:
+    """Every tensor in a module's output: nested tuples, lists and dicts, and the fields of a
+    dataclass or a mapping (a Hugging Face ModelOutput with .logits and .loss)."""
+    out = []
+    for x in tree_flatten(output)[0]:
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, Mapping):
+            out += _tensors_in(list(x.values()))
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            out += _tensors_in([getattr(x, f.name) for f in dataclasses.fields(x)])
+    return out
 
 
 # ------------------------------------------------------------------ the engine
@@ -203,7 +219,7 @@ class ZeRO3(Engine):
             u.release("forward")
             self._done_order.append(u)
             if torch.is_grad_enabled():
-                outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                outs = [t for t in _tensors_in(output) if t.requires_grad]
                 for t in outs:
                     t.register_hook(lambda g, u=u: self._pre_backward(u))
             if u.index == 0:
@@ -322,9 +338,6 @@ class ZeRO3(Engine):
             u.in_backward = False
 
     # -------------------------------------------------------------- forward and backward
-    def _forward(self, *inputs):
-        return measured_forward(self, *inputs)   # Engine.__call__ cast the inputs
-
     @contextlib.contextmanager
     def no_sync(self):
         """For the training loop of zl.DDP; here every micro-batch STILL communicates.
@@ -358,10 +371,13 @@ class ZeRO3(Engine):
     def _trained(self) -> list:
         return [u for u in self.units if u.master is not None]
 
+    def _owned_grads(self) -> list:
+        return [u.grad_shard for u in self._trained()]
+
     def _step_grads(self) -> list:
         mixed = self.precision.policy.needs_master
-        for u in self._trained():
-            g = u.grad_shard if u.grad_shard is not None else torch.zeros_like(u.master)
+        for u, g in zip(self._trained(), self._owned_grads()):
+            g = g if g is not None else torch.zeros_like(u.master)
             u.master.grad = g.float() if mixed else g
         return [u.master.grad for u in self._trained()]
 

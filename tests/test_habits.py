@@ -1,0 +1,143 @@
+"""A PyTorch user's habits, under every engine, against plain PyTorch on the global batch.
+
+The model is called the way Hugging Face models are: keywords, a nested dict of inputs, an
+output object with .loss; the loop uses engine.clip_grad_norm_ between backward and step, and
+the results leave through engine.state_dict() and torch.save, to be read back by a plain
+nn.Module (weights_only=True) and by another engine.
+"""
+
+import dataclasses
+import io
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import zerolab as zl
+
+LR, MAX_NORM, STEPS = 0.1, 0.5, 3
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+
+
+class KwNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        self.head = nn.Linear(3, 3)      # in ZeRO-3's root unit: needed again in backward
+
+    def forward(self, features, target=None, scale=1.0):
+        logits = self.head(self.body(features["x"]) * scale)
+        loss = None if target is None else (logits - target).pow(2).mean()
+        return Output(logits, loss)
+
+
+def batch(step, rows):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(rows, 6, generator=g), torch.randn(rows, 3, generator=g)
+
+
+def plain_pytorch(world_size):
+    """The reference: one process, the global batch, torch's own clip and SGD."""
+    torch.manual_seed(0)
+    model = KwNet()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    norms = []
+    for step in range(STEPS):
+        x, y = batch(step, 2 * world_size)
+        model(features={"x": x}, target=y, scale=0.5).loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict(), norms
+
+
+def habits(name, other):
+    r, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = KwNet()
+    engine = zl.engines.make(name, model, partial(torch.optim.SGD, lr=LR))
+    api = {"module": engine.module is model,
+           "parameters": [id(p) for p in engine.parameters()] == [id(p) for p in model.parameters()],
+           "eval": engine.eval() is engine and not model.training,
+           "train": engine.train() is engine and model.training}
+    norms = []
+    for step in range(STEPS):
+        x, y = batch(step, 2 * n)
+        out = engine(features={"x": x[2 * r:2 * r + 2]}, target=y[2 * r:2 * r + 2], scale=0.5)
+        engine.backward(out.loss)
+        norms.append(engine.clip_grad_norm_(MAX_NORM))
+        engine.step()
+        engine.zero_grad()
+    state = engine.state_dict()
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    plain = KwNet()
+    plain.load_state_dict(saved)                 # any nn.Module of the same shape reads it
+    torch.manual_seed(1)
+    again = zl.engines.make(other, KwNet(), partial(torch.optim.SGD, lr=LR))
+    again.load_state_dict(saved)                 # and so does another engine
+    reloaded = again.state_dict()
+    return {"api": api, "norms": norms, "state": state,
+            "plain_same": all(torch.equal(plain.state_dict()[k], state[k]) for k in state),
+            "reloaded_same": all(torch.equal(reloaded[k], state[k]) for k in state)}
+
+
+def test_keywords_nested_inputs_clip_and_state_dict_under_every_engine():
+    ref, ref_norms = plain_pytorch(2)
+    assert min(ref_norms) > MAX_NORM            # the clip really clips
+    others = {"single": "single", "naive": "zero2", "ddp": "zero3", "zero1": "ddp", "zero2": "zero1", "zero3": "single"}
+    for name in zl.engines.NAMES:
+        res = zl.launch(habits, 2, args=(name, others[name]))
+        for r, out in enumerate(res):
+            assert all(out["api"].values()), (name, out["api"])
+            # one process on the global batch (single: this rank's half only, so no comparison)
+            if name != "single":
+                # the norm of the same gradient summed in another order: a few ulp apart; a norm
+                # over one rank's shard only would be ~30% off
+                for mine, theirs in zip(out["norms"], ref_norms):
+                    assert abs(mine - theirs) <= 1e-5 * theirs, (name, out["norms"], ref_norms)
+                # SGD moves a weight by lr * clipped g (< 0.05); two summation orders change g by a
+                # few ulp, so 3 steps differ by < 1e-7. A missed reduction or a per-rank clip: ~1e-2
+                worst = max((out["state"][k] - ref[k]).abs().max().item() for k in ref)
+                assert worst < 1e-6, (name, worst)
+            assert out["plain_same"] and out["reloaded_same"], name
+
+
+# ------------------------------------------------------------------ misuses that must be named
+
+
+def one_step_fewer():
+    t = torch.ones(1)
+    for _ in range(3 - dist.get_rank()):    # rank 1 stops one collective early
+        dist.all_reduce(t)
+    return dist.get_rank()
+
+
+def test_a_rank_that_finishes_early_is_named_as_such():
+    import time
+    import pytest
+    start = time.monotonic()
+    with pytest.raises(zl.LaunchError) as info:
+        zl.launch(one_step_fewer, 2, timeout=60)
+    text = str(info.value)
+    assert "rank(s) [1] finished and returned while rank 0 was still in a collective" in text, text[:800]
+    assert "no rank crashed" in text
+    assert time.monotonic() - start < 30       # the peer's exit ends it, not the deadline
+
+
+def test_a_script_on_stdin_gets_a_clear_error(tmp_path):
+    import subprocess
+    import sys
+    script = ("import zerolab as zl\n\ndef f():\n    return 1\n\n"
+              "if __name__ == '__main__':\n    zl.launch(f, 2)\n")
+    out = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode != 0
+    assert "standard input" in out.stderr and "Save the script to a file" in out.stderr, out.stderr[-800:]
