@@ -11,7 +11,8 @@ Each engine is a small change of the one before it:
     ddp.DDP             flat buckets, all-reduced while backward runs
     zero1.ZeRO1         DDP, but reduce-scatter, step on the owned slice, all-gather
     zero2.ZeRO2         ZeRO-1, but the full gradient is freed as soon as it is reduced
-    zero3.ZeRO3         parameters sharded too, gathered unit by unit (units.Unit)
+    zero3.ZeRO3         parameters sharded too, gathered unit by unit (units.Unit; when:
+                        zero3_schedule)
 
 The command line's --strategy, the benchmark and the chapters all build their engines here, so
 a name means the same engine everywhere; zl.ZeRO(stage=k) picks among the three ZeRO stages.

@@ -31,6 +31,7 @@ engines redefine _step_grads, _publish, _release_grads, _full_values and _memory
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -246,6 +247,12 @@ class Engine:
         out["peak"] = self.last_peak
         out["activations"] = self.last_activations
         return out
+
+    @contextlib.contextmanager
+    def gathered_parameters(self):
+        """Inside, every parameter of the model holds its full value (ZeRO-3 gathers them; the
+        other engines always hold them whole, so here it does nothing)."""
+        yield
 
     def state_dict(self) -> dict:
         """The model's own keys, consolidated fp32 values on CPU (full_state_dict: with sharded

@@ -34,7 +34,8 @@ all-gather in backward, reduce-scatter of the gradients, the paper's 3 Psi (1.5x
 
 What a unit is and does (Unit: gather, wait, release, accumulate, reduce_scatter; find_units;
 freeing storage by resizing it, and measure_peak, which counts those resizes) lives in
-zerolab.engines.units; this engine decides WHEN: hooks, prefetch order, the end of backward.
+zerolab.engines.units; WHEN they do it (hooks, prefetch order, the end of backward) is the
+mixin zerolab.engines.zero3_schedule.UnitSchedule.
 What every engine shares (backward's loss / N and guards, the step template, full_state_dict,
 memory_report) is zerolab.engines.base.Engine's; initialising a GPT built on the meta device
 (gpt_init) is zerolab.models'.
@@ -43,39 +44,23 @@ memory_report) is zerolab.engines.base.Engine's; initialising a GPT built on the
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
-from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..buckets import unreached_ranges
 from ..memory import optimizer_tensors
 from .base import Engine, flat_segments
 from .setup import broadcast_from_rank0, build_optimizer, start_data_parallel
-from .units import Event, Unit, _InputsGradDone, find_units, group_params, measure_peak
-
-
-def _tensors_in(output) -> list:
-    """Every tensor in a module's output: nested tuples, lists and dicts, and the fields of a
-    dataclass or a mapping (a Hugging Face ModelOutput with .logits and .loss)."""
-    out = []
-    for x in tree_flatten(output)[0]:
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif isinstance(x, Mapping):
-            out += _tensors_in(list(x.values()))
-        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
-            out += _tensors_in([getattr(x, f.name) for f in dataclasses.fields(x)])
-    return out
+from .units import Unit, find_units, group_params, measure_peak
+from .zero3_schedule import UnitSchedule
 
 
 # ------------------------------------------------------------------ the engine
 
 
-class ZeRO3(Engine):
+class ZeRO3(UnitSchedule, Engine):
     """ZeRO stage 3: parameters, gradients and optimizer state sharded over the ranks.
 
     precision  "fp32" | "bf16" | "fp16": units are gathered, computed and reduce-scattered in
@@ -138,6 +123,33 @@ class ZeRO3(Engine):
         self._install_hooks()
         self.comm.reset()               # setup traffic is not a training step's traffic
 
+    # -------------------------------------------------------------- reading the full weights
+    @contextlib.contextmanager
+    def gathered_parameters(self):
+        """Inside, every parameter holds its full value on every rank (every rank must enter it):
+        read weights, call model.state_dict(). Read-only: changes made inside are not kept
+        (load_state_dict writes weights). Outside, a rank holds only its 1/N shard."""
+        for u in self.units:
+            u.gather("inspect")
+        try:
+            for u in self.units:
+                u.wait("inspect")
+            yield
+        finally:
+            for u in self.units:
+                u.release("inspect")
+
+    def _refuse_released_state_dict(self, module, prefix, keep_vars):
+        # model.state_dict() would copy parameters whose storage is freed (a crash, or garbage
+        # saved). keep_vars=True hands out the Parameter objects without reading them.
+        if keep_vars or all(u.gathered for u in self.units if u.full):
+            return
+        raise RuntimeError(
+            "model.state_dict() under ZeRO-3: this rank holds only a 1/N shard of each parameter "
+            "and has released the rest. Use engine.full_state_dict() or engine.state_dict() (every "
+            "rank calls it) or zl.checkpoint.save(engine, path), or read the full weights inside "
+            "`with engine.gathered_parameters():`.")
+
     # -------------------------------------------------------------- construction
     def _build_units(self, found, init_fn):
         """One Unit per group of parameters (units.group_params), each materialized in turn, so
@@ -155,187 +167,6 @@ class ZeRO3(Engine):
             raise ValueError("meta-device buffers are not supported: build buffers on the CPU")
         if bufs:
             broadcast_from_rank0(bufs, self.comm, self._src)
-
-    # -------------------------------------------------------------- the lifecycle (units.Unit)
-    def _event(self, u, state, phase=""):
-        self.events.append(Event(self.comm.now(), self.rank, u.name, state, phase))
-
-    def _use(self, u, phase):
-        """Unit u is needed now: gather it (if no prefetch did) and wait; compute stands still
-        for the time waited, which is what prefetch hides (gather_wait_s)."""
-        self.gather_wait_s += u.wait(phase)
-        self._event(u, "in_use", phase)
-
-    def _prefetch_after(self, order, u, phase):
-        """Start the all-gathers of the `prefetch` units that follow u in `order`."""
-        if self.prefetch == 0 or u not in order:
-            return
-        i = order.index(u)
-        ahead = [v for v in order[i + 1:] if v is not u and not (phase == "backward" and v.reduced)]
-        for v in ahead[:self.prefetch]:
-            v.gather(phase)
-
-    # -------------------------------------------------------------- hooks
-    def _install_hooks(self):
-        for u in self.units:
-            u.module.register_forward_pre_hook(self._make_pre_forward(u), with_kwargs=True)
-            u.module.register_forward_hook(self._make_post_forward(u))
-            for p in (u.buckets["train"].params if "train" in u.buckets else []):
-                p.register_post_accumulate_grad_hook(self._on_grad_accumulated)
-
-    def _make_pre_forward(self, u):
-        def hook(module, args, kwargs):
-            recompute = u.in_backward   # activation checkpointing re-runs forward in backward
-            if u.index == 0 and not recompute:
-                self._start_forward()
-            phase = "backward" if recompute else "forward"
-            if recompute:
-                self._use(u, phase)
-                return None
-            self._cur_order.append(u)
-            self._fwd_counts[u.index] += 1
-            # issue this unit's gather (if no prefetch did), then the next units', THEN wait:
-            # the gathers ahead travel while this unit waits and computes
-            u.gather(phase)
-            self._prefetch_after(self._fwd_order or self.units, u, "forward")
-            self._use(u, phase)
-            if torch.is_grad_enabled():
-                flat, spec = tree_flatten((args, kwargs))
-                idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-                if idx:
-                    out = _InputsGradDone.apply(self, u, *[flat[i] for i in idx])
-                    out = (out,) if isinstance(out, torch.Tensor) else out
-                    for i, t in zip(idx, out):
-                        flat[i] = t
-                    u.input_hooks_out += 1
-                    return tree_unflatten(flat, spec)
-            return None
-        return hook
-
-    def _make_post_forward(self, u):
-        def hook(module, args, output):
-            if u.in_backward:           # a recompute inside backward: keep the unit gathered
-                return None
-            u.release("forward")
-            self._done_order.append(u)
-            if torch.is_grad_enabled():
-                outs = [t for t in _tensors_in(output) if t.requires_grad]
-                for t in outs:
-                    t.register_hook(lambda g, u=u: self._pre_backward(u))
-            if u.index == 0:
-                self._end_forward()
-            return None
-        return hook
-
-    def _start_forward(self):
-        if self._cur_order:
-            self._fwd_order = self._dedupe(self._cur_order)
-        self._cur_order, self._done_order = [], []
-        self._callback_started = False
-        self._fwd_counts = [0] * len(self.units)
-        for u in self.units:
-            u.reset_backward()
-
-    @staticmethod
-    def _dedupe(order):
-        return list(dict.fromkeys(order))   # each unit once, at its first place
-
-    def _end_forward(self):
-        # Ranks must run the same units, or their collectives pair up wrongly: compare the
-        # counts now (one small all-reduce) and name the unit instead of hanging later.
-        counts = torch.tensor(self._fwd_counts + [-c for c in self._fwd_counts], dtype=torch.float32)
-        self.comm.all_reduce(counts, op="max", tag="check")
-        n = len(self.units)
-        hi, lo = counts[:n].tolist(), [-c for c in counts[n:].tolist()]
-        bad = [u.name for u, a, b in zip(self.units, hi, lo) if a != b]
-        if self._cur_order:
-            self._fwd_order = self._dedupe(self._cur_order)
-        # backward runs the units in the reverse order of their forwards' ENDS: the root (whose
-        # forward ends last) first, then the last block... (a unit called twice: its last call)
-        self._bwd_order = self._dedupe(self._done_order[::-1])
-        if bad:
-            for u in self.units:
-                u.release("forward")
-            raise RuntimeError(f"ZeRO3: ranks ran different code paths: unit(s) {', '.join(bad)} "
-                               f"ran a different number of times on different ranks in this forward "
-                               f"(this rank: {[self._fwd_counts[u.index] for u in self.units]}). "
-                               "Every rank must call every unit the same number of times.")
-
-    def _pre_backward(self, u):
-        if not self._callback_started:
-            # the first hook of this backward: arrange the end-of-backward check
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self._callback_started = True
-        if u.reduced:
-            return
-        if not u.in_backward:
-            u.in_backward = True
-            u.gather("backward")
-            self._prefetch_after(self._bwd_order, u, "backward")
-            self._use(u, "backward")
-
-    def _on_grad_accumulated(self, p):
-        u = self.param_unit[id(p)]
-        u.accumulate(p, p._zero3_pos)
-        p.grad = None                    # the full gradient lives in the unit's flat buffer
-        self._maybe_done(u)
-
-    def _on_inputs_grad(self, u):
-        u.input_hooks_in += 1
-        self._maybe_done(u)
-
-    def _maybe_done(self, u):
-        if u.n_acc == u.n_train and u.input_hooks_in >= u.input_hooks_out and u.in_backward:
-            self._post_backward(u)
-
-    def _post_backward(self, u):
-        """The unit's backward is over: reduce-scatter its gradient, free its parameters."""
-        if u.reduced:
-            return
-        u.reduced = True
-        if "train" in u.buckets:
-            u.reduce_scatter()
-            self._reducing.append(u)
-        u.release("backward")
-        # at most two full unit gradients in flight: the older ones have had a whole unit's
-        # backward to finish, so waiting for them here costs (almost) nothing and frees them
-        while len(self._reducing) > 1:
-            self._reducing.pop(0).finish_reduce()
-
-    def _finish_backward(self):
-        """End of autograd's work: reduce units whose gradients never all arrived, in order."""
-        for u in self.units:
-            if u.in_backward and not u.reduced:
-                self._post_backward(u)
-        for u in self.units:            # nothing stays gathered past backward: the step changes it
-            u.release("backward")
-        # which parameters got a gradient on ANY rank (the others keep no gradient, as in one
-        # process) and did every rank reduce the same units?
-        flags = []
-        for u in self.units:
-            flags += [float(i in u.used) for i in range(u.n_train)]
-        flags += [float(u.reduced) for u in self.units] + [-float(u.reduced) for u in self.units]
-        flags = torch.tensor(flags)
-        self.comm.all_reduce(flags, op="max", tag="used")
-        n = len(self.units)
-        red_hi, red_lo = flags[len(flags) - 2 * n:len(flags) - n], -flags[len(flags) - n:]
-        bad = [u.name for u, a, b in zip(self.units, red_hi.tolist(), red_lo.tolist()) if a != b]
-        if bad:
-            raise RuntimeError(f"ZeRO3: ranks ran different code paths: the backward of unit(s) "
-                               f"{', '.join(bad)} ran on some ranks but not on others")
-        used = flags[:len(flags) - 2 * n].tolist()
-        while self._reducing:
-            self._reducing.pop(0).finish_reduce()
-        k = 0
-        for u in self.units:
-            n_train = u.n_train
-            unused = {i for i in range(n_train) if used[k + i] == 0.0}
-            # over micro-batches, a parameter is unused only if no backward reached it
-            if u.unused_positions is not None:
-                unused &= set(u.unused_positions)
-            u.unused_positions = sorted(unused)
-            k += n_train
-            u.in_backward = False
 
     # -------------------------------------------------------------- forward and backward
     @contextlib.contextmanager
