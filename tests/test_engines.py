@@ -74,7 +74,13 @@ def misuse_each_engine():
         except RuntimeError as e:
             seen["backward twice"] = str(e)
         engine.step()
+        try:    # a forgotten zero_grad(): the next backward would add to averaged gradients
+            engine.backward(engine(x).pow(2).sum())
+        except RuntimeError as e:
+            seen["no zero_grad"] = str(e)
         engine.zero_grad()
+        engine.backward(engine(x).pow(2).sum())     # zero_grad() clears the guard
+        engine.step()
         out[name] = seen
     return out
 
@@ -88,7 +94,8 @@ def test_every_engine_has_the_same_guards():
             # their reduction averaged the full gradient in place: a second backward would add a
             # local gradient to an averaged one, so it is refused and no_sync is named
             assert "no_sync" in s.get("backward twice", ""), name
+            assert "without zero_grad()" in s.get("no zero_grad", ""), name
         else:
             # one process, and the engines whose reduced gradients live in shards that add up,
             # accumulate a second backward as PyTorch does
-            assert "backward twice" not in s, name
+            assert "backward twice" not in s and "no zero_grad" not in s, name

@@ -67,7 +67,7 @@ class Engine:
     accumulates_after_reduce = True
     _sync = True                # False inside no_sync()
     _backward_done = False      # a backward ran since the last step() / zero_grad()
-    _reduced = False            # a synced backward's gradients are waiting for step()
+    _reduced = False            # a synced backward reduced the gradients held now (until zero_grad)
     track_activations = False   # measure the activations each forward leaves (engines.setup)
     _clip_next = None           # max_norm of a clip_grad_norm_() call, for the next step
 
@@ -107,11 +107,16 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward() (on loss / N, scaled in fp16); the engine reduces the gradients."""
         if self._reduced and not self.accumulates_after_reduce:
+            if self._backward_done:
+                raise RuntimeError(
+                    "backward() called twice without step() or zero_grad() in between: the "
+                    "gradients of the first backward were already averaged over ranks. To "
+                    "accumulate over micro-batches, run all but the last backward inside "
+                    "`with engine.no_sync():`.")
             raise RuntimeError(
-                "backward() called twice without step() or zero_grad() in between: the "
-                "gradients of the first backward were already averaged over ranks. To "
-                "accumulate over micro-batches, run all but the last backward inside "
-                "`with engine.no_sync():`.")
+                "backward() after step() without zero_grad(): the gradients of the last step were "
+                "averaged over ranks, and adding a new backward to them would count them N times. "
+                "Call engine.zero_grad() after each step (or before each forward).")
         if self.world_size > 1:
             # a scalar divide instead of a pass over every gradient (exact when N is a power of 2)
             loss = loss / self.world_size
@@ -135,7 +140,7 @@ class Engine:
         else:
             applied = self._step()
         self.steps += 1
-        self._backward_done = self._reduced = False
+        self._backward_done = False     # (_reduced stays until zero_grad: see backward)
         return applied
 
     @torch.no_grad()
