@@ -14,6 +14,10 @@ when they travel. What does not differ lives here:
   rank reached do not move, `_unreached`), then the updated masters are published to the
   compute copies (`_publish`: a cast, an all-gather, ...);
 * zero_grad() drops the gradients (`_release_grads`) and resets the guards;
+* what PyTorch's wrappers offer: module, parameters(), named_parameters(), train(), eval(),
+  state_dict() / load_state_dict() (consolidated, the model's own keys), clip_grad_norm_(max)
+  (the norm over every rank's shard, applied by the next step) and gathered_parameters()
+  (ZeRO-3 gathers the full weights inside it; the other engines always hold them);
 * full_state_dict() consolidates: the engine says where the full fp32 value of each trained
   parameter is (`_full_values`, which may gather shards), and every key of model.state_dict()
   gets an fp32 CPU copy, tied weights one tensor under both keys;
