@@ -234,3 +234,39 @@ def test_a_hugging_face_gpt2_trains_under_every_engine_as_one_process_does():
             # steps the weights differ by < 1e-6. A missed reduction moves them by ~lr * g ~ 1e-3
             worst = max((state[k] - ref[k]).abs().max().item() for k in ref if ref[k].is_floating_point())
             assert worst < 1e-6, (name, worst)
+
+
+# ------------------------------------------------------------------ optimizers a PyTorch script builds
+
+
+def nanogpt_style_groups(params):
+    """nanoGPT's configure_optimizers rule: weight decay on tensors of 2 or more dimensions."""
+    params = list(params)
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=1e-3)
+
+
+def optimizers_a_script_builds():
+    out = {}
+    for name in zl.engines.NAMES:
+        model = KwNet()
+        other = KwNet()     # a factory that ignores what it is given and reads a model itself
+        for kind, factory in (("groups", nanogpt_style_groups),
+                              ("ignores its argument", lambda ps: torch.optim.AdamW(other.parameters()))):
+            try:
+                zl.engines.make(name, model if kind == "groups" else KwNet(), factory)
+                out[(name, kind)] = None
+            except TypeError as e:
+                out[(name, kind)] = str(e)
+    return out
+
+
+def test_an_optimizer_the_engine_cannot_honour_is_refused_not_silently_wrong():
+    seen = zl.launch(optimizers_a_script_builds, 2)[0]
+    for name in zl.engines.NAMES:
+        assert "other tensors than the ones it was given" in (seen[(name, "ignores its argument")] or ""), name
+        if name in ("single", "naive"):
+            assert seen[(name, "groups")] is None, name     # they step parameter by parameter
+        else:
+            # flat tensors are all 1-D: the rule would put every weight in the no-decay group
+            assert "parameter groups" in (seen[(name, "groups")] or ""), (name, seen[(name, "groups")])

@@ -224,7 +224,29 @@ def build_optimizer(optimizer, params, precision: str, flat_engine: str | None =
     _check_no_closure(opt)
     if flat_engine is not None:
         _check_elementwise(opt, flat_engine)
+    _check_holds_what_it_was_given(opt, params, flat_engine)
     return opt
+
+
+def _check_holds_what_it_was_given(opt, params, flat_engine) -> None:
+    """A factory that ignores its argument (nanoGPT's configure_optimizers reads the model's
+    own parameters) would update tensors the engine never reads: training silently stands
+    still. Parameter groups on flat buffers cannot tell one parameter from another (every flat
+    tensor is 1-D, so a decay / no-decay rule puts them all in one group): silently different."""
+    given = {id(t) for t in params}
+    held = [p for group in opt.param_groups for p in group["params"]]
+    if {id(p) for p in held} != given:
+        raise TypeError(
+            "the optimizer factory built an optimizer on other tensors than the ones it was given: "
+            "the engine hands it the tensors it updates (fp32 masters, flat buffers or owned "
+            "slices), so the factory must use its argument, e.g. "
+            "functools.partial(torch.optim.AdamW, lr=3e-4), not model.parameters().")
+    if flat_engine is not None and len(opt.param_groups) > 1:
+        raise TypeError(
+            f"{flat_engine} runs the optimizer on flat buffers (one tensor per bucket), which cannot "
+            f"tell parameters apart, so its {len(opt.param_groups)} parameter groups (decay / no-decay, "
+            "per-group learning rates) would not apply per parameter. Use one group, or "
+            "zl.NaiveDDP / zl.SingleProcess, which step parameter by parameter.")
 
 
 # ------------------------------------------------------------------ a data-parallel engine starts
