@@ -105,7 +105,7 @@ def test_an_optimizer_on_flat_slices_equals_one_per_parameter(opt, unused_someti
                 fb.buckets[b].views(flat_grads[b])[i].copy_(g)
         for f, g, s in zip(flats, flat_grads, shards):
             f.grad = g[s]
-        with held_still(flat_opt, flats, unreached_ranges(fb, unused, shards)):
+        with held_still(flat_opt, [(flats[b], lo, hi) for b, lo, hi in unreached_ranges(fb, unused, shards)]):
             flat_opt.step()
     position = {id(p): k for k, p in enumerate(params)}
     moved = 0

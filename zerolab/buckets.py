@@ -113,10 +113,12 @@ class FlatBuckets:
         fb.where[p]                           # (bucket index, position in bucket)
 
     A parameter larger than bucket_bytes gets a bucket of its own. The split depends only
-    on the parameters' sizes and dtype, so every rank builds the same buckets.
+    on the parameters' sizes and dtype, so every rank builds the same buckets. `order`, if
+    given, reorders the parameters inside each bucket (the engines put each optimizer
+    parameter group in one contiguous range: zerolab.engines.param_groups).
     """
 
-    def __init__(self, params, bucket_bytes: float, world_size: int):
+    def __init__(self, params, bucket_bytes: float, world_size: int, order=None):
         params = list(params)
         if not params:
             raise ValueError("FlatBuckets: no parameters to put in buckets")
@@ -131,6 +133,8 @@ class FlatBuckets:
             current.append(p)
             current_bytes += nbytes
         groups.append(current)
+        if order is not None:
+            groups = [list(order(g)) for g in groups]
         self.world_size = world_size
         self.buckets = [Bucket(i, g, world_size) for i, g in enumerate(groups)]
         self.where = {p: (b.index, i) for b in self.buckets for i, p in enumerate(b.params)}
@@ -196,9 +200,10 @@ def unreached_ranges(buckets, unused, shards=None) -> list:
 
 
 @contextlib.contextmanager
-def held_still(optimizer, flats, ranges):
-    """Run optimizer.step() inside: elements `ranges` of the flat tensors `flats` come out as
-    they went in, values and optimizer state (moments; state created by this step: zeros).
+def held_still(optimizer, ranges):
+    """Run optimizer.step() inside: elements [lo, hi) of each (tensor, lo, hi) in `ranges` (flat
+    tensors the optimizer updates) come out as they went in, values and optimizer state
+    (moments; state created by this step: zeros).
 
     A single process's optimizer skips a parameter whose gradient is None; on a flat tensor
     its zero gradient would still move it (momentum, weight decay). The optimizer's step
@@ -207,8 +212,7 @@ def held_still(optimizer, flats, ranges):
     """
     saved = []
     with torch.no_grad():
-        for b, lo, hi in ranges:
-            m = flats[b]
+        for m, lo, hi in ranges:
             state = {k: v[lo:hi].clone() for k, v in optimizer.state.get(m, {}).items()
                      if isinstance(v, torch.Tensor) and v.shape == m.shape}
             saved.append((m, lo, hi, m[lo:hi].clone(), state))

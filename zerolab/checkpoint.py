@@ -51,7 +51,7 @@ from .engines.base import Engine
 #
 # A segment says: elements [t_lo, t_lo + hi - lo) of tensor.view(-1) are elements [lo, hi) of
 # parameter `name` (flattened). Every engine describes itself by two lists of segments
-# (Engine.checkpoint_segments):
+# (Engine.checkpoint_segments, via optimizer_segments):
 #   opt     the tensors the optimizer updates (fp32 masters), with their optimizer state
 #   frozen  frozen parameters this rank holds
 # and says which are replicated (held whole by every rank: then each rank writes 1/N of them).
@@ -168,7 +168,7 @@ def save(engine, path, extra: dict | None = None) -> str:
         return os.path.join(path, METADATA)   # replicas of the reference: rank 0 speaks for all
     rank, size = _rank_size(engine)
     opt_segments, frozen_segments, opt_replicated, frozen_replicated = \
-        engine.checkpoint_segments(_names(engine.model))
+        engine.optimizer_segments(_names(engine.model))
     if opt_replicated:
         opt_segments = _split(opt_segments, rank, size)
     if frozen_replicated:
@@ -274,7 +274,7 @@ def load(engine, path) -> dict:
     if len(info["param_groups"]) != len(engine.optimizer.param_groups):
         raise CheckpointError(f"{reader.meta_path}: the optimizer has {len(engine.optimizer.param_groups)} "
                               f"param groups, the checkpoint {len(info['param_groups'])}")
-    opt_segments, frozen_segments, _, _ = engine.checkpoint_segments(_names(engine.model))
+    opt_segments, frozen_segments, _, _ = engine.optimizer_segments(_names(engine.model))
     optimizer = engine.optimizer
     with torch.no_grad():
         by_tensor: dict = {}

@@ -196,6 +196,57 @@ def clip_grad_norm_(grads, max_norm, ledger=None, group=None) -> float:
     return total
 
 
+# ------------------------------------------------------------------ the model in the compute dtype
+
+
+def cast_for_compute(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast the model's parameters to the compute dtype (model.to(dtype) would cast its
+    floating-point buffers too); buffers stay as they are, see fp32_where_buffers."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    fp32_where_buffers(model, dtype)
+
+
+def fp32_where_buffers(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Modules that hold floating-point buffers (BatchNorm's running mean and variance) compute
+    in fp32: their inputs and parameters are cast up on the way in, their output back to
+    `dtype` on the way out, and the buffers themselves stay fp32. A running average kept in
+    bf16 (8 significant bits) stops moving once each update is below its spacing; autocast
+    runs batch_norm in fp32, and FSDP's MixedPrecision leaves BatchNorm in full precision, for
+    the same reason. The cast of a parameter is part of the graph, so its gradient comes back
+    in its own dtype to wherever the engine keeps it."""
+    if dtype == torch.float32:
+        return
+    for m in model.modules():
+        if any(b.is_floating_point() for b in m.buffers(recurse=False)):
+            for b_name, b in m._buffers.items():
+                if b is not None and b.is_floating_point():
+                    m._buffers[b_name] = b.float()
+            m.register_forward_pre_hook(_compute_in_fp32, with_kwargs=True)
+            m.register_forward_hook(lambda mod, args, out, dtype=dtype: _back_to(mod, out, dtype))
+
+
+def _floats_to(x, dtype):
+    from torch.utils._pytree import tree_map
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                    else t, x)
+
+
+def _compute_in_fp32(module, args, kwargs):
+    low = {n: p for n, p in module._parameters.items()
+           if p is not None and p.is_floating_point() and p.dtype != torch.float32}
+    module._zerolab_low_params = low
+    for n, p in low.items():
+        module._parameters[n] = p.float()     # for this forward only: a cast autograd sees
+    return _floats_to(args, torch.float32), _floats_to(kwargs, torch.float32)
+
+
+def _back_to(module, out, dtype):
+    module._parameters.update(getattr(module, "_zerolab_low_params", {}))   # the real parameters again
+    module._zerolab_low_params = {}
+    return _floats_to(out, dtype)
+
+
 # ------------------------------------------------------------------ the component
 
 

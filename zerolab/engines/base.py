@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_map
 from ..buckets import held_still
 from ..memory import PeakMemory, live_bytes, optimizer_tensors
 from ..precision import clip_grad_norm_
+from . import grad_guard
 from .setup import check_max_grad_norm, measured_forward
 
 
@@ -74,11 +75,18 @@ class Engine:
     _reduced = False            # a synced backward reduced the gradients held now (until zero_grad)
     track_activations = False   # measure the activations each forward leaves (engines.setup)
     _clip_next = None           # max_norm of a clip_grad_norm_() call, for the next step
+    _group_views = None         # flat engines with several parameter groups: param_groups.GroupViews
+    broadcast_buffers = False   # data-parallel engines: True by default (engines.setup)
 
     # -------------------------------------------------------------- forward
     def __call__(self, *args, **kwargs):
         """The forward, called as the model is (keywords and nested inputs too: a Hugging Face
         model's input_ids=..., labels=...). Floating tensors are cast to the compute dtype."""
+        if self.broadcast_buffers and self._sync and torch.is_grad_enabled():
+            # as PyTorch DDP: every rank starts a training forward from rank 0's buffers
+            # (BatchNorm's running statistics), which its own batches would otherwise pull apart
+            for b in self.model.buffers():
+                self.comm.broadcast(b, src=self._src, tag="buffers")
         dtype = self.precision.compute_dtype
         args, kwargs = tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
                                 else x, (args, kwargs))
@@ -124,7 +132,11 @@ class Engine:
         if self.world_size > 1:
             # a scalar divide instead of a pass over every gradient (exact when N is a power of 2)
             loss = loss / self.world_size
+        trainable = [p for p in self.model.parameters() if p.requires_grad] if self.sharded else []
+        grad_guard.unhide(trainable)
         self._backward(self.precision.scale_loss(loss, step=self.steps))
+        if self._sync:          # p.grad is not what this rank updates with: guard it
+            grad_guard.hide(trainable, f"ZeRO-{getattr(self, 'stage', '?')}")
         self._backward_done = True
         self._reduced = self._reduced or self._sync
 
@@ -158,8 +170,13 @@ class Engine:
         if max_norm is not None:
             # sharded engines hold disjoint slices: their squared norms are summed over ranks
             self.last_grad_norm = clip_grad_norm_(grads, max_norm, self.comm if self.sharded else None)
-        with held_still(self.optimizer, *self._unreached()):
+        views = self._group_views        # parameter groups on flat tensors (param_groups)
+        if views is not None:
+            views.point_grads()
+        with held_still(self.optimizer, self._held_ranges()):
             self.optimizer.step()
+        if views is not None:
+            views.drop_grads()
         self._publish()
         self._drop_step_grads()
         self.precision.update(found_inf=False)
@@ -195,6 +212,13 @@ class Engine:
         """(flat tensors, (index, lo, hi) ranges) the optimizer must leave as they are."""
         return [], []
 
+    def _held_ranges(self) -> list:
+        """_unreached() as (tensor the optimizer holds, lo, hi)."""
+        flats, ranges = self._unreached()
+        if self._group_views is not None:
+            return self._group_views.ranges(flats, ranges)
+        return [(flats[b], lo, hi) for b, lo, hi in ranges]
+
     def _publish(self) -> None:
         """After the update: make the compute copies (what forward uses) match the masters."""
         if self.masters is not self.params:
@@ -213,6 +237,7 @@ class Engine:
         does the same): the next backward writes fresh ones."""
         self._release_grads()
         self._drop_step_grads()
+        grad_guard.unhide(self.model.parameters())
         self._backward_done = self._reduced = False
 
     def _release_grads(self) -> None:
@@ -241,7 +266,7 @@ class Engine:
     def _memory_tensors(self) -> tuple[list, list, list]:
         """(parameter tensors, gradient tensors, optimizer tensors) this rank holds now."""
         params = list(self.model.parameters())
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = grad_guard.real(p.grad for p in params)
         masters = self.masters if self.masters is not self.params else []
         return params, grads, list(masters) + optimizer_tensors(self.optimizer)
 
@@ -325,6 +350,14 @@ class Engine:
         whole by every rank, so each rank writes 1/N of them. Here: one master per parameter."""
         opt = [(m, 0, names[id(p)], 0, p.numel()) for p, m in zip(self.params, self.masters)]
         return opt, self._frozen_segments(names), True, True
+
+    def optimizer_segments(self, names: dict):
+        """checkpoint_segments, with each optimizer segment on the tensor the optimizer holds
+        (with parameter groups on flat tensors: the group's view), where its state is kept."""
+        opt, frozen, opt_replicated, frozen_replicated = self.checkpoint_segments(names)
+        if self._group_views is not None:
+            opt = self._group_views.segments(opt)
+        return opt, frozen, opt_replicated, frozen_replicated
 
     def _frozen_segments(self, names: dict) -> list:
         return [(p, 0, names[id(p)], 0, p.numel()) for p in self.model.parameters() if not p.requires_grad]

@@ -44,6 +44,8 @@ from __future__ import annotations
 import torch
 
 from ..buckets import FlatBuckets, unreached_ranges
+from ..precision import cast_for_compute
+from . import param_groups
 from .base import flat_segments
 from .naive_ddp import NaiveDDP
 
@@ -63,14 +65,15 @@ class DDP(NaiveDDP):
     def __init__(self, model: torch.nn.Module, optimizer, *, precision="fp32", bucket_mb=25.0,
                  max_grad_norm=None, scaler=None, track_peak: bool = True, overlap: bool | None = None,
                  mesh=None, checkpoint_activations=False, partition_activations=False,
-                 offload_activations=False, track_activations=None):
+                 offload_activations=False, track_activations=None, broadcast_buffers=True):
         self.bucket_mb = bucket_mb      # checked (and made a float) by _start
         self.overlap = self.overlap_default if overlap is None else bool(overlap)
         self._start(model, optimizer, precision=precision, bucket_mb=bucket_mb,
                     max_grad_norm=max_grad_norm, scaler=scaler, track_peak=track_peak, mesh=mesh,
                     checkpoint_activations=checkpoint_activations,
                     partition_activations=partition_activations,
-                    offload_activations=offload_activations, track_activations=track_activations)
+                    offload_activations=offload_activations, track_activations=track_activations,
+                    broadcast_buffers=broadcast_buffers)
 
     # -------------------------------------------------------------- layout
     def _setup_storage(self):
@@ -78,7 +81,9 @@ class DDP(NaiveDDP):
         # bucket sizes count bytes in the dtype that is communicated (the compute dtype)
         elem = torch.empty((), dtype=self.precision.compute_dtype).element_size()
         scale = elem / self.params[0].element_size()
-        self.buckets = FlatBuckets(self.params, self.bucket_mb * 2**20 / scale, self.world_size)
+        # inside a bucket the parameters are ordered by optimizer group (param_groups)
+        self.buckets = FlatBuckets(self.params, self.bucket_mb * 2**20 / scale, self.world_size,
+                                   order=lambda ps: param_groups.order_by_group(ps, self._group_of))
         self.device = self.params[0].device
         self._lay_out_masters()
         self.params = self.buckets.params     # the buckets' order: position k below
@@ -100,7 +105,7 @@ class DDP(NaiveDDP):
         mixed = self.precision.policy.needs_master
         if mixed:   # fp32 masters in the same flat layout, taken from the exact fp32 values
             self.flat_masters = [b.flat_copy(torch.float32) for b in buckets]
-            self.model.to(self.precision.compute_dtype)
+            cast_for_compute(self.model, self.precision.compute_dtype)   # (BatchNorm stays fp32)
         self.buckets.bind_params()
         if mixed:
             self.masters = [v for b, f in zip(buckets, self.flat_masters) for v in b.views(f)]
@@ -122,8 +127,12 @@ class DDP(NaiveDDP):
         self._grad_views = [self.buckets.buckets[b].grad_view(i)
                             for b, i in (self.buckets.where[p] for p in self.buckets.params)]
 
-    def _optimized_tensors(self) -> list:
-        return self.flat_masters
+    def _place_groups(self):
+        """The optimizer steps on the flat masters: with several groups, on one view per
+        (bucket, group) range of them (param_groups.GroupViews)."""
+        views = param_groups.GroupViews(self.optimizer, self.flat_masters, self.buckets.buckets,
+                                        self.shards, self._group_of)
+        self._group_views = views if views.views else None
 
     # -------------------------------------------------------------- the reducer
     def _reset_backward_state(self):

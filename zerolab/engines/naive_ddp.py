@@ -21,8 +21,10 @@ import contextlib
 import torch
 
 from ..buckets import bucket_order
+from ..precision import cast_for_compute
 from .base import Engine
-from .setup import broadcast_from_rank0, build_optimizer, start_data_parallel
+from . import param_groups
+from .setup import broadcast_from_rank0, start_data_parallel
 
 
 class NaiveDDP(Engine):
@@ -35,11 +37,12 @@ class NaiveDDP(Engine):
     def __init__(self, model: torch.nn.Module, optimizer, *, precision="fp32", max_grad_norm=None,
                  scaler=None, track_peak: bool = True, mesh=None, checkpoint_activations=False,
                  partition_activations=False, offload_activations=False,
-                 track_activations=None):
+                 track_activations=None, broadcast_buffers=True):
         self._start(model, optimizer, precision=precision, max_grad_norm=max_grad_norm, scaler=scaler,
                     track_peak=track_peak, mesh=mesh, checkpoint_activations=checkpoint_activations,
                     partition_activations=partition_activations,
-                    offload_activations=offload_activations, track_activations=track_activations)
+                    offload_activations=offload_activations, track_activations=track_activations,
+                    broadcast_buffers=broadcast_buffers)
 
     def _start(self, model, optimizer, **options):
         """The constructor every data-parallel engine of this family runs (DDP and ZeRO-1/2
@@ -47,21 +50,23 @@ class NaiveDDP(Engine):
         start_data_parallel(self, model, optimizer, **options)
         # ranks start identical: rank 0's parameters and buffers (frozen ones too)
         broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), self.comm, self._src)
+        # the factory sees the model's parameters, so its parameter groups can tell them apart
+        self.optimizer, self._group_of = param_groups.build(optimizer, model, options["precision"],
+                                                            self.flat_optimizer)
         self.params = bucket_order(model)
         self._setup_storage()
-        self.optimizer = build_optimizer(optimizer, self._optimized_tensors(), options["precision"],
-                                         self.flat_optimizer)
+        self._place_groups()
+
+    def _place_groups(self):
+        """Move the optimizer's groups onto what this engine updates: one master per parameter."""
+        param_groups.place_per_parameter(self.optimizer, self.params, self.masters)
 
     def _setup_storage(self):
         if self.precision.policy.needs_master:
             self.masters = [p.detach().clone().float() for p in self.params]
-            self.model.to(self.precision.compute_dtype)
+            cast_for_compute(self.model, self.precision.compute_dtype)   # (BatchNorm stays fp32)
         else:
             self.masters = self.params
-
-    def _optimized_tensors(self) -> list:
-        # the parameters (or their fp32 masters) in model.parameters() order, like a single process
-        return self.masters[::-1]
 
     # -------------------------------------------------------------- forward and backward
     @contextlib.contextmanager

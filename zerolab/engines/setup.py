@@ -7,8 +7,9 @@
 * data_parallel_layout: which group the engine averages over (the whole world, or a Mesh's dp
   group when the model is tensor-parallel), check_residual_options and enable_residual: ZeRO-R's
   activation options (chapter 9), checked and switched on;
-* check_optimizer_factory and build_optimizer: the optimizer is a factory the engine calls on
-  the tensors it chooses (fp32 masters, flat buckets, owned slices);
+* check_optimizer_factory and check_built_optimizer: the optimizer is a factory (the engine
+  calls it on the model's parameters and moves its groups onto the tensors it updates:
+  zerolab.engines.param_groups), checked before the model is touched and once built;
 * start_data_parallel: all of the above, in order, for a data-parallel engine's constructor;
 * measured_forward: the forward, with the activations it leaves alive counted on request.
 """
@@ -199,7 +200,7 @@ def check_optimizer_factory(optimizer, precision: str, flat_engine: str | None =
 
     flat_engine: the engine's name if it steps the optimizer on flat buffers; then optimizers
     that are not elementwise are refused too (when the factory shows its class: the class
-    itself, or a functools.partial of it; build_optimizer checks what any factory built).
+    itself, or a functools.partial of it; check_built_optimizer checks what any factory built).
     """
     if isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -215,38 +216,26 @@ def check_optimizer_factory(optimizer, precision: str, flat_engine: str | None =
         _check_elementwise(optimizer, flat_engine)
 
 
-def build_optimizer(optimizer, params, precision: str, flat_engine: str | None = None) -> torch.optim.Optimizer:
-    """Call an optimizer factory on `params`, refusing an already-built optimizer."""
-    check_optimizer_factory(optimizer, precision, flat_engine)
-    opt = optimizer(params)
+def check_built_optimizer(opt, flat_engine: str | None = None) -> None:
+    """What a factory returned: a torch optimizer that needs no closure (and, on flat engines,
+    an elementwise one)."""
     if not isinstance(opt, torch.optim.Optimizer):
         raise TypeError(f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
     _check_no_closure(opt)
     if flat_engine is not None:
         _check_elementwise(opt, flat_engine)
-    _check_holds_what_it_was_given(opt, params, flat_engine)
+
+
+def build_optimizer(optimizer, params, precision: str, flat_engine: str | None = None) -> torch.optim.Optimizer:
+    """Call an optimizer factory on `params` (a chapter's own engine; the engines build theirs
+    with zerolab.engines.param_groups.build, which also honours parameter groups)."""
+    check_optimizer_factory(optimizer, precision, flat_engine)
+    opt = optimizer(params)
+    check_built_optimizer(opt, flat_engine)
+    if {id(p) for group in opt.param_groups for p in group["params"]} != {id(t) for t in params}:
+        raise TypeError("the optimizer factory built an optimizer on other tensors than the ones it "
+                        "was given: use its argument, e.g. functools.partial(torch.optim.AdamW, lr=3e-4).")
     return opt
-
-
-def _check_holds_what_it_was_given(opt, params, flat_engine) -> None:
-    """A factory that ignores its argument (nanoGPT's configure_optimizers reads the model's
-    own parameters) would update tensors the engine never reads: training silently stands
-    still. Parameter groups on flat buffers cannot tell one parameter from another (every flat
-    tensor is 1-D, so a decay / no-decay rule puts them all in one group): silently different."""
-    given = {id(t) for t in params}
-    held = [p for group in opt.param_groups for p in group["params"]]
-    if {id(p) for p in held} != given:
-        raise TypeError(
-            "the optimizer factory built an optimizer on other tensors than the ones it was given: "
-            "the engine hands it the tensors it updates (fp32 masters, flat buffers or owned "
-            "slices), so the factory must use its argument, e.g. "
-            "functools.partial(torch.optim.AdamW, lr=3e-4), not model.parameters().")
-    if flat_engine is not None and len(opt.param_groups) > 1:
-        raise TypeError(
-            f"{flat_engine} runs the optimizer on flat buffers (one tensor per bucket), which cannot "
-            f"tell parameters apart, so its {len(opt.param_groups)} parameter groups (decay / no-decay, "
-            "per-group learning rates) would not apply per parameter. Use one group, or "
-            "zl.NaiveDDP / zl.SingleProcess, which step parameter by parameter.")
 
 
 # ------------------------------------------------------------------ a data-parallel engine starts
@@ -255,7 +244,7 @@ def _check_holds_what_it_was_given(opt, params, flat_engine) -> None:
 def start_data_parallel(engine, model, optimizer, *, precision, scaler, max_grad_norm, track_peak,
                         bucket_mb=25.0, mesh=None, checkpoint_activations=False,
                         partition_activations=False, offload_activations=False,
-                        track_activations=None) -> None:
+                        track_activations=None, broadcast_buffers=True) -> None:
     """What NaiveDDP, DDP, ZeRO-1/2 and ZeRO-3 do first, in this order: every check that needs
     no other rank (so a bad argument fails before a collective could hang), the group to
     average over, precision, ZeRO-R's activation options, the engine's counters, and the
@@ -277,6 +266,7 @@ def start_data_parallel(engine, model, optimizer, *, precision, scaler, max_grad
     engine.track_activations = (mesh is not None or checkpoint_activations) \
         if track_activations is None else bool(track_activations)
     engine.model, engine.max_grad_norm, engine.track_peak = model, max_grad_norm, track_peak
+    engine.broadcast_buffers = bool(broadcast_buffers)
     engine.steps, engine.last_peak, engine.last_grad_norm, engine.last_activations = 0, 0, None, None
     engine.last_backward = {}
     check_same_model(model, engine.comm, engine._src)

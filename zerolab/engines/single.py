@@ -18,9 +18,10 @@ from __future__ import annotations
 import torch
 
 from ..comm import Ledger
-from ..precision import MixedPrecision
+from ..precision import MixedPrecision, cast_for_compute
 from .base import Engine
-from .setup import build_optimizer, check_max_grad_norm, check_optimizer_factory
+from . import param_groups
+from .setup import check_max_grad_norm, check_optimizer_factory
 
 
 class SingleProcess(Engine):
@@ -50,10 +51,12 @@ class SingleProcess(Engine):
         if self.precision.policy.needs_master:
             # masters first, from the exact fp32 values; then the model becomes low precision
             self.masters = [p.detach().clone().float() for p in self.params]
-            model.to(self.precision.compute_dtype)
+            cast_for_compute(model, self.precision.compute_dtype)   # (BatchNorm stays fp32)
         else:
             self.masters = self.params
-        self.optimizer = build_optimizer(optimizer, self.masters, precision)
+        # the factory sees the model's parameters (its groups too); each then steps on its master
+        self.optimizer, _ = param_groups.build(optimizer, model, precision)
+        param_groups.place_per_parameter(self.optimizer, self.params, self.masters)
 
     # forward, backward, the step, full_state_dict, memory_report: Engine's, for one master
     # per parameter

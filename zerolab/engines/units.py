@@ -12,6 +12,11 @@ _InputsGradDone tells it when a unit's backward is over. A released buffer keeps
 its storage is resized to 0 (_storage_free / _storage_alloc): autograd may hold views of it, so
 the tensor itself must stay. Resizing a storage is not an operation the CPU allocation tracker
 sees, so measure_peak counts it.
+
+Reading a parameter whose storage is 0 bytes would read freed memory (print(p) can kill the
+process). So while its unit is released a parameter's class is ReleasedParameter: its shape,
+dtype and gradient can be looked at, anything that reads its values raises an error that says
+where the values are. Gathering turns it back into a plain nn.Parameter, at no cost to forward.
 """
 
 from __future__ import annotations
@@ -126,11 +131,14 @@ class Unit:
     def n_train(self):
         return len(self.buckets["train"].params) if "train" in self.buckets else 0
 
-    def materialize(self, model, refs, init_fn, world_size, rank, src, dtype, mixed):
+    def materialize(self, model, refs, init_fn, world_size, rank, src, dtype, mixed, group_of):
         """Give this unit its flat buffers and this rank's shards, holding at most this ONE unit
         in full: meta parameters are created and initialised here (init_fn(name, module)); real
-        ones become views into the flat buffer. Every rank starts from rank `src`'s values."""
-        for kind, params in (("train", [p for p in self.params if p.requires_grad]),
+        ones become views into the flat buffer. Every rank starts from rank `src`'s values.
+        group_of (id(param) -> optimizer group) orders the trainable ones by group, so that each
+        group is one contiguous range of the flat buffer (engines.param_groups)."""
+        trainable = sorted((p for p in self.params if p.requires_grad), key=lambda p: group_of.get(id(p), 0))
+        for kind, params in (("train", trainable),
                              ("frozen", [p for p in self.params if not p.requires_grad])):
             if not params:
                 continue
@@ -141,6 +149,8 @@ class Unit:
                 for p in params:
                     q = nn.Parameter(flat[offset:offset + p.numel()].view(p.shape), requires_grad=p.requires_grad)
                     offset += p.numel()
+                    if id(p) in group_of:
+                        group_of[id(q)] = group_of[id(p)]
                     for _, m, pname in refs[id(p)]:
                         m._parameters[pname] = q      # every module that uses p (tied) gets q
                     new.append(q)
@@ -168,6 +178,7 @@ class Unit:
             self.shard[kind] = b.data[b.shard(rank)].clone()
             _storage_free(b.data)             # from now on this rank holds only its shard
         self.params = [p for b in self.buckets.values() for p in b.params]
+        _mark_released(self.params, True)
         if "train" in self.buckets:
             self.master = nn.Parameter(master if mixed else self.shard["train"])
             if not mixed:
@@ -196,6 +207,7 @@ class Unit:
             h.wait()
         self.handles = {}
         self.gathered = True
+        _mark_released(self.params, False)
         self.record(self, "gathered", phase)
         return self.comm.now() - t0
 
@@ -205,6 +217,7 @@ class Unit:
             self.wait(phase)
         if not self.gathered:
             return
+        _mark_released(self.params, True)
         for full in self.full.values():
             _storage_free(full)
         self.gathered = False
@@ -243,6 +256,43 @@ class Unit:
             if self.grad_shard.dtype != torch.float32:
                 self.grad_shard = self.grad_shard.float()
             self.grad_shard.add_(out)
+
+
+class ReleasedParameter(nn.Parameter):
+    """A ZeRO-3 parameter while its unit is released: 1/N of it is on this rank (in the unit's
+    shard), its own storage is 0 bytes. Looking at it is allowed (shape, dtype, device, grad,
+    requires_grad, hooks); any operation that reads its values raises instead of reading freed
+    memory. Only Unit changes a parameter's class to this one and back (_mark_released)."""
+
+    # the methods that look at a tensor without reading its elements
+    LOOKS = frozenset({"size", "dim", "numel", "nelement", "element_size", "stride", "storage_offset",
+                       "is_contiguous", "is_floating_point", "is_complex", "get_device", "data_ptr",
+                       "untyped_storage", "requires_grad_", "register_hook", "_is_view",
+                       "register_post_accumulate_grad_hook", "__len__", "__setstate__"})
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        # properties come as __get__ / __set__ of a descriptor: all are metadata except reading .data
+        prop = getattr(getattr(func, "__self__", None), "__name__", "")
+        looks = name in cls.LOOKS or (name in ("__get__", "__set__") and not (prop == "data" and name == "__get__"))
+        if not looks:
+            raise RuntimeError(
+                f"this parameter is sharded by ZeRO-3 and not gathered now ({prop or name} would read "
+                "its values, but this rank holds only its 1/N shard). Read full weights inside "
+                "`with engine.gathered_parameters():`, take engine.full_state_dict() (every rank "
+                "calls it), save with zl.checkpoint.save(engine, path), write weights with "
+                "engine.load_state_dict(sd), and clip with engine.clip_grad_norm_(max_norm).")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def _mark_released(params, released: bool) -> None:
+    """Swap the class of plain nn.Parameters (a subclass of Parameter is left as it is)."""
+    old, new = (nn.Parameter, ReleasedParameter) if released else (ReleasedParameter, nn.Parameter)
+    for p in params:
+        if type(p) is old:
+            p.__class__ = new
 
 
 class _InputsGradDone(torch.autograd.Function):

@@ -42,6 +42,8 @@ from __future__ import annotations
 import torch
 
 from ..memory import live_bytes
+from ..precision import cast_for_compute
+from . import grad_guard
 from .ddp import DDP
 
 
@@ -73,7 +75,7 @@ class ZeRO1(DDP):
         if mixed:
             # fp32 master SLICES only, from the exact fp32 values; the full fp32 copy is temporary
             self.master_shards = [b.flat_copy(torch.float32)[s].clone() for b, s in zip(buckets, self.shards)]
-            self.model.to(self.precision.compute_dtype)
+            cast_for_compute(self.model, self.precision.compute_dtype)   # (BatchNorm stays fp32)
         self.buckets.bind_params()
         if not mixed:   # the owned slice of the model's own flat buffer
             self.master_shards = [b.data[s] for b, s in zip(buckets, self.shards)]
@@ -127,8 +129,12 @@ class ZeRO1(DDP):
 
     def _grad_tensors(self) -> list:
         """Every gradient tensor this rank holds now."""
-        held = [p.grad for p in self.params if p.grad is not None]
+        held = grad_guard.real(p.grad for p in self.params)
         return held + [b.grad for b in self.buckets.buckets if b.grad is not None]
+
+    def _memory_tensors(self):
+        params, _, optimizer = super()._memory_tensors()
+        return params, self._grad_tensors(), optimizer   # (after backward p.grad holds a guard)
 
     # -------------------------------------------------------------- the step (Engine._step)
     def _owned_grads(self) -> list:

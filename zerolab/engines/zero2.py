@@ -118,7 +118,3 @@ class ZeRO2(ZeRO1):
         n = len(self.buckets.buckets)
         self.grad_shards, self._acc32, self._filled = [None] * n, [None] * n, [False] * n
         super()._release_grads()
-
-    def _memory_tensors(self):
-        params, grads, optimizer = super()._memory_tensors()
-        return params, grads + [g for g in self.grad_shards + self._acc32 if g is not None], optimizer

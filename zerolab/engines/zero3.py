@@ -51,8 +51,10 @@ import torch.nn as nn
 
 from ..buckets import unreached_ranges
 from ..memory import optimizer_tensors
+from ..precision import fp32_where_buffers
 from .base import Engine, flat_segments
-from .setup import broadcast_from_rank0, build_optimizer, start_data_parallel
+from . import param_groups
+from .setup import broadcast_from_rank0, start_data_parallel
 from .units import Unit, find_units, group_params, measure_peak
 from .zero3_schedule import UnitSchedule
 
@@ -89,7 +91,7 @@ class ZeRO3(UnitSchedule, Engine):
     def __init__(self, model: nn.Module, optimizer, *, precision="fp32", bucket_mb=25.0, prefetch=1,
                  max_grad_norm=None, scaler=None, units=None, track_peak=True, init_fn=None, mesh=None,
                  checkpoint_activations=False, partition_activations=False, offload_activations=False,
-                 track_activations=None):
+                 track_activations=None, broadcast_buffers=True):
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (units to gather ahead; 0 = off), got {prefetch!r}")
         if isinstance(model, nn.Module) and init_fn is None \
@@ -100,7 +102,8 @@ class ZeRO3(UnitSchedule, Engine):
                             max_grad_norm=max_grad_norm, track_peak=track_peak, bucket_mb=bucket_mb,
                             mesh=mesh, checkpoint_activations=checkpoint_activations,
                             partition_activations=partition_activations,
-                            offload_activations=offload_activations, track_activations=track_activations)
+                            offload_activations=offload_activations, track_activations=track_activations,
+                            broadcast_buffers=broadcast_buffers)
         self.prefetch, self.bucket_mb = prefetch, float(bucket_mb)
         self.events: list = []
         self.gather_wait_s = 0.0        # seconds spent blocked waiting for all-gathers (what prefetch hides)
@@ -116,11 +119,17 @@ class ZeRO3(UnitSchedule, Engine):
         if note:
             warnings.warn(note, stacklevel=2)
         self.note = note
-        self._build_units(found, init_fn)
-        # the optimizer updates one fp32 shard per unit, as if each were a normal parameter
+        # the factory sees the model's parameters (its groups can tell them apart) ...
+        self.optimizer, group_of = param_groups.build(optimizer, model, precision, self.flat_optimizer)
+        self._build_units(found, init_fn, group_of)
+        # ... and updates one fp32 shard per unit (with several groups: a view per group in it)
         self.masters = [u.master for u in self.units if u.master is not None]
-        self.optimizer = build_optimizer(optimizer, self.masters, precision, self.flat_optimizer)
+        trained = [u.buckets["train"] for u in self.units if u.master is not None]
+        views = param_groups.GroupViews(self.optimizer, self.masters, trained,
+                                        [b.shard(self.rank) for b in trained], group_of)
+        self._group_views = views if views.views else None
         self._install_hooks()
+        fp32_where_buffers(model, self.precision.compute_dtype)   # after the units' hooks: BatchNorm in fp32
         self.comm.reset()               # setup traffic is not a training step's traffic
 
     # -------------------------------------------------------------- reading the full weights
@@ -150,8 +159,17 @@ class ZeRO3(UnitSchedule, Engine):
             "rank calls it) or zl.checkpoint.save(engine, path), or read the full weights inside "
             "`with engine.gathered_parameters():`.")
 
+    def _copy_gathered_values(self, module, state_dict, prefix, local_metadata):
+        # inside gathered_parameters(), model.state_dict()'s tensors share the gathered buffers'
+        # storage, which is freed on leaving it: hand out copies, so the dict stays valid after
+        fulls = {f.untyped_storage().data_ptr() for u in self.units for f in u.full.values()
+                 if u.gathered}
+        for key, t in state_dict.items():
+            if not isinstance(t, nn.Parameter) and t.untyped_storage().data_ptr() in fulls:
+                state_dict[key] = t.clone()
+
     # -------------------------------------------------------------- construction
-    def _build_units(self, found, init_fn):
+    def _build_units(self, found, init_fn, group_of):
         """One Unit per group of parameters (units.group_params), each materialized in turn, so
         at most ONE unit is ever held in full; then the replicated buffers (rank 0's values)."""
         specs, groups, refs = group_params(self.model, found)
@@ -159,7 +177,7 @@ class ZeRO3(UnitSchedule, Engine):
         for i, ((name, module), params) in enumerate(zip(specs, groups)):
             u = Unit(i, name, module, params, self.comm, self._event)
             u.materialize(self.model, refs, init_fn, self.world_size, self.rank, self._src,
-                          self.precision.compute_dtype, self.precision.policy.needs_master)
+                          self.precision.compute_dtype, self.precision.policy.needs_master, group_of)
             self.units.append(u)
         self.param_unit = {id(p): u for u in self.units for b in u.buckets.values() for p in b.params}
         bufs = list(self.model.buffers())

@@ -65,6 +65,7 @@ class UnitSchedule:
     # -------------------------------------------------------------- hooks
     def _install_hooks(self):
         self.model.register_state_dict_pre_hook(self._refuse_released_state_dict)
+        self.model.register_state_dict_post_hook(lambda *a: self._copy_gathered_values(*a))
         for u in self.units:
             u.module.register_forward_pre_hook(self._make_pre_forward(u), with_kwargs=True)
             u.module.register_forward_hook(self._make_post_forward(u))
