@@ -43,6 +43,8 @@ from .launch_worker import NCCL_WITH_CPU
 class LaunchError(RuntimeError):
     """A worker rank raised, died, or did not finish in time."""
 
+    quoted_output = False   # True when the message quotes the end of the failed rank's output
+
     def __init__(self, message: str, rank: int | None = None):
         super().__init__(message)
         self.rank = rank
@@ -255,8 +257,9 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
            timeout: float = 300.0, output: str | None = None) -> list:
     """Run fn(*args) on `world_size` ranks and return their values in rank order.
 
-    What the ranks print is shown after they have all returned (or before the LaunchError),
-    rank by rank, each line prefixed `[rank r] `, stdout to sys.stdout and stderr to sys.stderr.
+    What the ranks print is shown after they have all returned (or before the LaunchError, whose
+    message quotes the end of a dead rank's output instead of showing it), rank by rank, each line
+    prefixed `[rank r] `, stdout to sys.stdout and stderr to sys.stderr.
     output: "rank0" (rank 0's stdout and stderr, the other ranks' stderr: warnings, errors),
     "all" (every rank's stdout and stderr) or "none"; None takes $ZEROLAB_LAUNCH_OUTPUT, else
     "rank0". Under torchrun each process prints for itself and `output` has no effect.
@@ -298,18 +301,20 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
         _let_finish(procs)  # they have sent their values and are exiting: keep their last words
         return values
     except LaunchError as exc:
-        quoted = exc.rank if getattr(exc, "quoted_output", False) else None
+        quoted = exc.rank if exc.quoted_output else None
         raise
     finally:
         _stop(procs)
         for c in conns:
             c.close()
-        launch_output.show(logs, output, skip=quoted)
-        for path in (p for pair in logs for p in pair):
-            try:
-                os.remove(path)
-            except OSError:
-                pass
+        try:
+            launch_output.show(logs, output, skip=quoted)
+        finally:
+            for path in (p for pair in logs for p in pair):
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
         try:
             os.rmdir(logdir)
         except OSError:
@@ -317,6 +322,8 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
 
 
 def _let_finish(procs, grace: float = 2.0) -> None:
+    """Wait briefly for ranks that have sent their value to exit, so whatever they write while
+    shutting down is shown on every run, not only when it beats _stop."""
     deadline = time.monotonic() + grace
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
