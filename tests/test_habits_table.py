@@ -217,3 +217,21 @@ def test_the_command_line_shows_its_defaults_and_helps_every_flag():
     text = " ".join(text.split())     # (argparse wraps lines to the terminal width)
     assert "(default: tiny)" in text and "default: ddp with more than one rank" in text
     assert all(a.help for a in parser._actions)
+
+
+def print_and_warn():
+    import warnings
+    print(f"hello from rank {dist.get_rank()}")
+    warnings.warn(f"careful on rank {dist.get_rank()}")
+    return dist.get_rank()
+
+
+def test_what_workers_print_and_warn_is_shown_by_rank(capfd, monkeypatch):
+    monkeypatch.delenv("ZEROLAB_LAUNCH_OUTPUT", raising=False)
+    capfd.readouterr()
+    assert zl.launch(print_and_warn, 2) == [0, 1]
+    out, err = capfd.readouterr()
+    assert out == "[rank 0] hello from rank 0\n"                   # rank 0's prints
+    assert "[rank 0]" in err and "careful on rank 0" in err         # every rank's warnings
+    assert "[rank 1]" in err and "careful on rank 1" in err
+    assert err.index("careful on rank 0") < err.index("careful on rank 1")
