@@ -59,7 +59,7 @@ def test_a_failing_rank_ends_the_job_and_the_checkpoint_survives(tmp_path, kind,
     before = _children()
     cfg = train.TrainConfig(size="nano", strategy=strategy, world_size=2, steps=5, batch_size=2,
                             save_every=2, save_dir=str(tmp_path / "ck"), fault=f"{kind}@3:1",
-                            timeout=60.0, collective_timeout=4.0 if kind == "hang" else None)
+                            timeout=60.0, collective_timeout=4.0 if kind == "hang" else 300.0)
     start = time.monotonic()
     with pytest.raises(LaunchError) as info:
         train.run(cfg, show_progress=False)

@@ -16,16 +16,21 @@ chapter can print the measured total beside it. Async operations return a Handle
 wait() stamps the end time, which gives the timelines of chapters 5 and 8.
 
 A collective that never completes (a rank stuck, crashed, or running different code) would
-block its peers until the process group's own timeout. A Ledger built with `timeout=` waits
-at most that long and then raises CollectiveTimeout naming the operation and the ranks that
-did not arrive: before each collective every rank writes its progress (a sequence number,
-the op and its tag) to the process group's key-value store, and the waiting rank reads the
-others' progress when its wait runs out.
+block its peers until the process group's own timeout. A Ledger with a `timeout` waits at most
+that long and then raises CollectiveTimeout naming the operation and the ranks that did not
+arrive: before each collective every rank writes its progress (a sequence number, the op and
+its tag) to the process group's key-value store, and the waiting rank reads the others'
+progress when its wait runs out. Every store access is bounded too, so a frozen rank 0 (which
+hosts the store under zl.launch) is named instead of blinding the watchdog. The default timeout
+is $ZEROLAB_COLLECTIVE_TIMEOUT, which zl.launch sets in every rank (300 s unless told otherwise,
+also under torchrun): a run lasts as long as it trains, and a hang is named per collective.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -92,6 +97,27 @@ def _store():
     return dist.distributed_c10d._get_default_store()
 
 
+def _quietly(fn):
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - a store that fails is reported as not answering
+        pass
+
+
+class _bounded:
+    """Within the block, every read or write of `store` gives up after `seconds` (then restored)."""
+
+    def __init__(self, store, seconds):
+        self.store, self.seconds = store, seconds
+
+    def __enter__(self):
+        self.before = self.store.timeout
+        self.store.set_timeout(datetime.timedelta(seconds=self.seconds))
+
+    def __exit__(self, *exc):
+        self.store.set_timeout(self.before)
+
+
 def _reduce_op(op: str):
     try:
         return _OPS[op]
@@ -108,6 +134,13 @@ def _group_rank(group) -> int:
 
 
 _progress = {"seq": 0}   # this process's count of watched collectives, across all ledgers
+TIMEOUT_ENV = "ZEROLAB_COLLECTIVE_TIMEOUT"
+
+
+def default_timeout() -> float | None:
+    """Seconds a collective may take: $ZEROLAB_COLLECTIVE_TIMEOUT (zl.launch sets it), else None."""
+    value = os.environ.get(TIMEOUT_ENV)
+    return float(value) if value else None
 
 
 @dataclass
@@ -115,12 +148,13 @@ class Ledger:
     """Runs collectives and records each one. Engines own one: `engine.comm`.
 
     timeout: seconds a collective may take before CollectiveTimeout names the op and the
-    ranks that did not arrive (None: wait as long as the process group allows).
+    ranks that did not arrive (default: default_timeout(); None: wait as long as the process
+    group allows).
     """
 
     group: object = None
     records: list = field(default_factory=list)
-    timeout: float | None = None
+    timeout: float | None = field(default_factory=default_timeout)
 
     def __post_init__(self):
         self._epoch = time.perf_counter()
@@ -176,7 +210,14 @@ class Ledger:
     def _announce(self, rec: CommRecord) -> int:
         _progress["seq"] += 1
         seq = _progress["seq"]
-        _store().set(f"zerolab/progress/{dist.get_rank()}", f"{seq}|{rec.op}|{rec.tag}")
+        try:
+            with _bounded(_store(), self.timeout):
+                _store().set(f"zerolab/progress/{dist.get_rank()}", f"{seq}|{rec.op}|{rec.tag}")
+        except (RuntimeError, dist.DistError) as exc:
+            raise CollectiveTimeout(
+                f"{rec.op}{f' {rec.tag!r}' if rec.tag else ''}: rank {dist.get_rank()} could not record "
+                f"its progress: the rendezvous store did not answer within {self.timeout:g} s. Under "
+                f"zl.launch rank 0 hosts it: rank 0 is frozen or gone. [{str(exc)[:200]}]") from None
         return seq
 
     def _timed_out(self, rec: CommRecord, group, seq: int, exc) -> CollectiveTimeout:
@@ -184,16 +225,29 @@ class Ledger:
         me = dist.get_rank()
         store = _store()
         behind = []
-        for r in ranks:
-            if r == me:
-                continue
-            key = f"zerolab/progress/{r}"
-            if not store.check([key]):
-                behind.append(f"rank {r} (no collective yet)")
-                continue
-            their_seq, op, tag = store.get(key).decode().split("|", 2)
-            if int(their_seq) < seq:
-                behind.append(f"rank {r} (last at #{their_seq} {op}{f' {tag!r}' if tag else ''})")
+        wait = min(10.0, self.timeout)
+
+        def read():
+            for r in ranks:
+                if r == me:
+                    continue
+                key = f"zerolab/progress/{r}"
+                if not store.check([key]):
+                    behind.append(f"rank {r} (no collective yet)")
+                    continue
+                their_seq, op, tag = store.get(key).decode().split("|", 2)
+                if int(their_seq) < seq:
+                    behind.append(f"rank {r} (last at #{their_seq} {op}{f' {tag!r}' if tag else ''})")
+
+        # A store whose host is frozen (SIGSTOP) does not answer, and TCPStore's own timeout
+        # does not end a read then: read in a thread, and wait for it a bounded time.
+        reader = threading.Thread(target=_quietly, args=(read,), daemon=True)
+        reader.start()
+        reader.join(wait)
+        if reader.is_alive():
+            # the store itself did not answer: under zl.launch rank 0 hosts it
+            behind = [f"rank 0 (frozen or gone: the store it hosts under zl.launch did not answer "
+                      f"within {wait:g} s)"]
         who = ", ".join(behind) if behind else "none recorded as behind (they may have failed inside it)"
         return CollectiveTimeout(
             f"{rec.op}{f' {rec.tag!r}' if rec.tag else ''} (collective #{seq} of rank {me}) did not "

@@ -13,7 +13,10 @@ warnings and errors (output="rank0" | "all" | "none"; see zerolab.launch_output)
 Failures end the whole launch quickly and leave no process behind:
   * a rank that raises -> LaunchError naming the rank, with the worker's traceback;
   * a rank that dies (os._exit, a signal) -> LaunchError naming the rank and how it died;
-  * nothing finished within `timeout` seconds -> LaunchError naming the ranks still running.
+  * a rank that stops (hangs, freezes, runs other collectives) -> the ranks waiting for it raise
+    zerolab.comm.CollectiveTimeout after `collective_timeout` seconds (300 by default), naming it
+    and the operation it last entered; there is no whole-job deadline unless `timeout` sets one
+    (then: LaunchError naming the ranks still running).
 
 Under torchrun (RANK and WORLD_SIZE in the environment) there is nothing to start:
 `launch` runs fn in the current process and returns every rank's value, gathered.
@@ -22,6 +25,8 @@ Under torchrun (RANK and WORLD_SIZE in the environment) there is nothing to star
 from __future__ import annotations
 
 import contextlib
+import datetime
+import math
 import os
 import pickle
 import signal
@@ -77,7 +82,15 @@ def device() -> torch.device:
 # --------------------------------------------------------------------- checks
 
 
-def _check_launchable(fn, world_size, timeout, backend) -> None:
+def _seconds(value, name, allow_none) -> None:
+    ok = (value is None and allow_none) or (not isinstance(value, bool) and isinstance(value, (int, float))
+                                            and math.isfinite(value) and value > 0)
+    if not ok:
+        raise ValueError(f"launch: {name} must be a finite number of seconds > 0"
+                         f"{' or None' if allow_none else ''}, got {value!r}")
+
+
+def _check_launchable(fn, world_size, timeout, backend, collective_timeout=300.0) -> None:
     """Reject bad input before any process starts."""
     if not callable(fn):
         raise TypeError(f"launch: fn must be a function, got {type(fn).__name__} ({fn!r})")
@@ -85,8 +98,8 @@ def _check_launchable(fn, world_size, timeout, backend) -> None:
         raise TypeError(f"launch: world_size must be an int, got {type(world_size).__name__}")
     if world_size < 1:
         raise ValueError(f"launch: world_size must be >= 1, got {world_size}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"launch: timeout must be a positive number of seconds, got {timeout!r}")
+    _seconds(timeout, "timeout", allow_none=True)
+    _seconds(collective_timeout, "collective_timeout", allow_none=False)
     if backend not in (None, "gloo", "nccl"):
         raise ValueError(f"launch: backend must be None, 'gloo' or 'nccl', got {backend!r}")
     if backend == "nccl" and (not torch.cuda.is_available() or torch.cuda.device_count() < world_size):
@@ -235,8 +248,9 @@ def _stop(procs) -> None:
             p.join()
 
 
-def _run_in_place(fn, args, world_size_):
+def _run_in_place(fn, args, world_size_, collective_timeout=300.0):
     """Under torchrun: the processes already exist; run fn here and gather the values."""
+    os.environ.setdefault("ZEROLAB_COLLECTIVE_TIMEOUT", str(collective_timeout))  # zerolab.comm's watchdog
     env_world = int(os.environ["WORLD_SIZE"])
     if world_size_ != env_world and not os.environ.get("ZEROLAB_WORKER"):
         _say_once(f"zerolab.launch: running under torchrun with WORLD_SIZE={env_world}; "
@@ -246,7 +260,8 @@ def _run_in_place(fn, args, world_size_):
         use_nccl = torch.cuda.is_available() and local < torch.cuda.device_count()
         if use_nccl:
             torch.cuda.set_device(local)
-        dist.init_process_group(NCCL_WITH_CPU if use_nccl else "gloo")
+        dist.init_process_group(NCCL_WITH_CPU if use_nccl else "gloo",
+                                timeout=datetime.timedelta(seconds=2 * collective_timeout))
     value = fn(*args)
     values = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
@@ -254,8 +269,14 @@ def _run_in_place(fn, args, world_size_):
 
 
 def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None,
-           timeout: float = 300.0, output: str | None = None) -> list:
+           timeout: float | None = None, output: str | None = None,
+           collective_timeout: float = 300.0) -> list:
     """Run fn(*args) on `world_size` ranks and return their values in rank order.
+
+    timeout: seconds the whole job may take (None, the default: as long as it trains).
+    collective_timeout: seconds one collective (or one access to the rendezvous store) may wait
+    before the rank waiting names the ranks that did not arrive (zerolab.comm); the same under
+    torchrun, where this call runs fn in place.
 
     What the ranks print is shown after they have all returned (or before the LaunchError, whose
     message quotes the end of a dead rank's output instead of showing it), rank by rank, each line
@@ -270,8 +291,9 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if not callable(fn):
             raise TypeError(f"launch: fn must be a function, got {type(fn).__name__}")
-        return _run_in_place(fn, tuple(args), world_size)
-    _check_launchable(fn, world_size, timeout, backend)
+        _seconds(collective_timeout, "collective_timeout", allow_none=False)
+        return _run_in_place(fn, tuple(args), world_size, collective_timeout)
+    _check_launchable(fn, world_size, timeout, backend, collective_timeout)
     backend = _choose_backend(world_size, backend)
 
     ctx = _context()
@@ -286,7 +308,8 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
             receive, send = ctx.Pipe(duplex=False)
             log = launch_output.paths(logdir, r)
             p = ctx.Process(target=launch_worker.run, name=f"zerolab-rank{r}",
-                            args=(fn, tuple(args), r, world_size, addr, port, backend, timeout, send, log))
+                            args=(fn, tuple(args), r, world_size, addr, port, backend,
+                                  collective_timeout, send, log))
             try:
                 with _main_module_hidden(fn):
                     p.start()
@@ -362,10 +385,10 @@ def _collect(procs, conns, logs, timeout):
     """Wait for every rank's value; raise at the first failure."""
     results: dict[int, object] = {}
     pending = set(range(len(procs)))
-    deadline = time.monotonic() + timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
     while pending:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
             late = sorted(pending)
             raise _with_output(
                 f"launch: rank(s) {late} did not finish within the timeout of {timeout:g} s and "

@@ -67,16 +67,21 @@ def _count_in(store, key: str, world_size_: int, add: bool = True) -> None:
         count = store.add(key, 0)
 
 
-def run(fn, args, rank_, world_size_, addr, port, backend, timeout, conn, log_paths):
+def run(fn, args, rank_, world_size_, addr, port, backend, collective_timeout, conn, log_paths):
     """The body of one started rank: its output to two files, torch.distributed up, fn(*args),
-    the value (or the traceback) sent back through `conn`, then a quick exit."""
+    the value (or the traceback) sent back through `conn`, then a quick exit.
+
+    collective_timeout bounds every store access and (through $ZEROLAB_COLLECTIVE_TIMEOUT) every
+    collective of a zerolab Ledger; the process group's own timeout, twice that, is the backstop
+    for collectives called outside a Ledger."""
     # stdout and stderr (also of C++ code) go to this rank's two files; the parent shows them.
     launch_output.redirect(*log_paths)
     threading.Thread(target=_watch_parent, daemon=True).start()
 
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank_),
                       WORLD_SIZE=str(world_size_), LOCAL_RANK=str(rank_),
-                      LOCAL_WORLD_SIZE=str(world_size_), ZEROLAB_WORKER="1")
+                      LOCAL_WORLD_SIZE=str(world_size_), ZEROLAB_WORKER="1",
+                      ZEROLAB_COLLECTIVE_TIMEOUT=str(collective_timeout))
     if addr.startswith("127."):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets on loopback too
     torch.set_num_threads(1)  # one compute thread per CPU rank: ranks must not fight for cores
@@ -86,10 +91,10 @@ def run(fn, args, rank_, world_size_, addr, port, backend, timeout, conn, log_pa
         if backend == "nccl":
             torch.cuda.set_device(rank_)
             kwargs["device_id"] = torch.device("cuda", rank_)
-        store = _rendezvous(rank_, world_size_, addr, port, timeout)
+        store = _rendezvous(rank_, world_size_, addr, port, collective_timeout)
         dist.init_process_group(NCCL_WITH_CPU if backend == "nccl" else backend, store=store,
                                 rank=rank_, world_size=world_size_,
-                                timeout=datetime.timedelta(seconds=timeout), **kwargs)
+                                timeout=datetime.timedelta(seconds=2 * collective_timeout), **kwargs)
         _count_in(store, "zerolab/initialised", world_size_)  # nobody starts before all are connected
         value = fn(*args)
         try:

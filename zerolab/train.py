@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import signal
 import sys
@@ -60,8 +61,8 @@ class TrainConfig:
     resume: str | None = None    # a checkpoint directory to continue from
     find_nan: bool = False       # name the first module that produced a NaN/inf
     fault: str | None = None     # KIND@STEP[:RANK[:MODULE]], see parse_fault
-    timeout: float = 300.0       # seconds before launch gives up on the job
-    collective_timeout: float | None = None   # seconds one collective may take (names the late ranks)
+    timeout: float | None = None         # seconds the whole job may take (None: as long as it trains)
+    collective_timeout: float = 300.0    # seconds one collective may wait (then the late ranks are named)
 
     def check(self) -> "TrainConfig":
         models.gpt_config(self.size)  # raises on an unknown size
@@ -89,11 +90,12 @@ class TrainConfig:
             if not os.path.exists(meta):
                 raise ValueError(f"resume: {meta} does not exist; pass a directory written by "
                                  "--save-dir (a save that never finished leaves none)")
-        if self.collective_timeout is not None and not (
-                isinstance(self.collective_timeout, (int, float)) and self.collective_timeout > 0):
-            raise ValueError(f"collective_timeout must be None or seconds > 0, got {self.collective_timeout!r}")
-        if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
-            raise ValueError(f"timeout must be a number of seconds > 0, got {self.timeout!r}")
+        for name, allow_none in (("collective_timeout", False), ("timeout", True)):
+            value = getattr(self, name)
+            if not ((value is None and allow_none) or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                                       and math.isfinite(value) and value > 0)):
+                raise ValueError(f"{name} must be a finite number of seconds > 0"
+                                 f"{' or None (no limit)' if allow_none else ''}, got {value!r}")
         if self.fault is not None:
             parse_fault(self.fault, self.world_size)
         return self
@@ -106,7 +108,7 @@ def parse_fault(spec: str, world_size: int) -> tuple:
     """'kill@3:1' -> ("kill", 3, 1, None): at step 3, rank 1 kills itself. RANK defaults to 0.
 
     raise: an exception; exit: os._exit(3); kill: SIGKILL to itself; hang: sleeps an hour
-    (the launch timeout must end the job); nan@STEP:RANK:MODULE: that module's output becomes
+    (the collective timeout names it); nan@STEP:RANK:MODULE: that module's output becomes
     NaN from that step on (MODULE defaults to the first transformer block's MLP).
     """
     try:
@@ -138,8 +140,7 @@ def train_worker(cfg: TrainConfig, progress=None) -> dict:
     model_cfg = models.gpt_config(cfg.size)
     model = models.GPT(model_cfg).to(_device())
     engine = make_engine(cfg, model)
-    if cfg.collective_timeout is not None:   # the ledger's watchdog: name the rank that is late
-        engine.comm.timeout = cfg.collective_timeout
+    engine.comm.timeout = cfg.collective_timeout    # the ledger's watchdog: name the rank that is late
     dataset = data.CharDataset(model_cfg.block_size, seed=cfg.seed)
     r, n = rank(), world_size()
     first = 0
@@ -282,9 +283,11 @@ def run(cfg: TrainConfig, show_progress: bool = True) -> list:
     """Train with `cfg` on cfg.world_size ranks; returns each rank's result dict."""
     cfg.check()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: we are one of the ranks
-        return launch(train_worker, cfg.world_size, args=(cfg, None), timeout=cfg.timeout)
+        return launch(train_worker, cfg.world_size, args=(cfg, None), timeout=cfg.timeout,
+                      collective_timeout=cfg.collective_timeout)
     if not show_progress:
-        return launch(train_worker, cfg.world_size, args=(cfg, None), timeout=cfg.timeout)
+        return launch(train_worker, cfg.world_size, args=(cfg, None), timeout=cfg.timeout,
+                      collective_timeout=cfg.collective_timeout)
     from .launch import _context
     queue = _context().Queue()
     stop = threading.Event()
@@ -292,7 +295,8 @@ def run(cfg: TrainConfig, show_progress: bool = True) -> list:
     follower = threading.Thread(target=_follow_progress, args=(queue, total, stop), daemon=True)
     follower.start()
     try:
-        return launch(train_worker, cfg.world_size, args=(cfg, queue), timeout=cfg.timeout)
+        return launch(train_worker, cfg.world_size, args=(cfg, queue), timeout=cfg.timeout,
+                      collective_timeout=cfg.collective_timeout)
     finally:
         stop.set()
         follower.join(2.0)
@@ -380,8 +384,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", default=None, metavar="PATH", help="continue from this checkpoint")
     parser.add_argument("--find-nan", action="store_true",
                         help="on a NaN/inf loss, name the first module that produced it")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before the job is ended")
-    parser.add_argument("--collective-timeout", type=float, default=None,
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds before the whole job is ended (default: no limit; a hang is "
+                             "caught per collective)")
+    parser.add_argument("--collective-timeout", type=float, default=300.0,
                         help="seconds one collective may wait before naming the ranks that did not arrive")
     parser.add_argument("--fault", default=None, help=argparse.SUPPRESS)  # KIND@STEP[:RANK[:MODULE]]
 
