@@ -1,5 +1,6 @@
 """zl.engines.make: every name builds the engine it says, with the options it is given."""
 
+import time
 from functools import partial
 
 import pytest
@@ -99,3 +100,30 @@ def test_every_engine_has_the_same_guards():
             # one process, and the engines whose reduced gradients live in shards that add up,
             # accumulate a second backward as PyTorch does
             assert "backward twice" not in s and "no zero_grad" not in s, name
+
+
+def engines_that_differ(what):
+    import torch.distributed as dist
+    r = dist.get_rank()
+    options = {"stage": dict(name="zero2" if r == 0 else "zero3"),
+               "precision": dict(name="zero1", precision="fp32" if r == 0 else "bf16"),
+               "bucket_mb": dict(name="ddp", bucket_mb=25.0 if r == 0 else 1.0)}[what]
+    name = options.pop("name")
+    torch.manual_seed(0)
+    try:
+        zl.engines.make(name, torch.nn.Sequential(torch.nn.Linear(4, 4)), partial(torch.optim.SGD, lr=0.1),
+                        **options)
+    except ValueError as e:
+        return str(e)
+    return "built"
+
+
+@pytest.mark.parametrize("what, here, there", [("stage", "'ZeRO3'", "'ZeRO2'"),
+                                               ("precision", "'bf16'", "'fp32'"),
+                                               ("bucket_mb", "1.0", "25.0")])
+def test_ranks_whose_engines_differ_stop_before_the_first_collective_naming_both(what, here, there):
+    t0 = time.monotonic()
+    messages = zl.launch(engines_that_differ, 2, args=(what,))
+    assert time.monotonic() - t0 < 60
+    assert all("engines' settings differ" in m for m in messages), messages
+    assert here in messages[1] and there in messages[1], messages[1]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
 import pytest
 import torch
@@ -54,8 +55,27 @@ def sleep_forever():
 
 
 def print_something():
-    print("a worker must not print to the caller")
+    print(f"printed by rank {zl.rank()}")
     return zl.rank()
+
+
+def chatty(tag):
+    """Every kind of output: print, C-level writes to fd 1 and 2, a warning, no final newline."""
+    r = zl.rank()
+    print(f"print from rank {r}")
+    os.write(1, f"C write to stdout from rank {r}\n".encode())
+    os.write(2, f"C write to stderr from rank {r}\n".encode())
+    warnings.warn(f"warning from rank {r}")
+    sys.stdout.write(f"no newline from rank {r}")
+    return (tag, r)
+
+
+def print_then_die_on_rank_1():
+    print(f"rank {zl.rank()} was here")
+    if zl.rank() == 1:
+        os.write(2, b"rank 1 is about to exit\n")
+        os._exit(5)
+    dist.barrier()
 
 
 def return_tensor():
@@ -107,8 +127,84 @@ def test_partial_and_tensor_results(capfd):
     assert zl.launch(functools.partial(add, 10), 2, args=(5,)) == [15, 16]
     tensors = zl.launch(return_tensor, 2)
     assert torch.equal(tensors[1], torch.tensor([0, 2, 4]))
+    capfd.readouterr()
     assert zl.launch(print_something, 2) == [0, 1]
-    assert "must not print" not in capfd.readouterr().out
+    assert capfd.readouterr().out == "[rank 0] printed by rank 0\n", "rank 0's print, once, after the launch"
+
+
+# ---- what workers print: shown after the launch, in rank order, prefixed by rank
+
+
+@pytest.fixture
+def no_output_env(monkeypatch):
+    monkeypatch.delenv("ZEROLAB_LAUNCH_OUTPUT", raising=False)
+
+
+def _stdout_of(r):
+    return (f"[rank {r}] print from rank {r}\n[rank {r}] C write to stdout from rank {r}\n"
+            f"[rank {r}] no newline from rank {r}\n")
+
+
+def test_default_output_is_rank_0s_and_the_other_ranks_warnings(capfd, no_output_env):
+    assert zl.launch(chatty, 2, args=("t",)) == [("t", 0), ("t", 1)]
+    out, err = capfd.readouterr()
+    assert out == _stdout_of(0), "rank 0's stdout only, C-level writes and the unfinished last line too"
+    for r in (0, 1):  # rank 0's stderr, and rank 1's: its warnings and errors
+        assert f"[rank {r}] C write to stderr from rank {r}\n" in err, err
+        assert f"UserWarning: warning from rank {r}" in err, err
+    assert all(line.startswith(("[rank 0] ", "[rank 1] ")) for line in err.splitlines()), err
+    assert "print from rank 1" not in out + err and "no newline from rank 1" not in out + err
+    assert err.index("[rank 0]") < err.index("[rank 1]"), "in rank order"
+
+
+def test_output_all_shows_every_rank_in_order(capfd, no_output_env):
+    assert zl.launch(chatty, 3, args=("t",), output="all") == [("t", 0), ("t", 1), ("t", 2)]
+    out, err = capfd.readouterr()
+    assert out == _stdout_of(0) + _stdout_of(1) + _stdout_of(2)
+    starts = [err.index(f"[rank {r}] C write to stderr from rank {r}") for r in range(3)]
+    assert starts == sorted(starts), err
+
+
+def test_output_none_shows_nothing(capfd, no_output_env):
+    assert zl.launch(chatty, 2, args=("t",), output="none") == [("t", 0), ("t", 1)]
+    out, err = capfd.readouterr()
+    assert "[rank" not in out + err and "from rank" not in out + err
+
+
+def test_quiet_workers_add_no_lines(capfd, no_output_env):
+    assert zl.launch(add, 2, args=(1, 2), output="all") == [3, 4]
+    assert capfd.readouterr() == ("", "")
+
+
+def test_environment_variable_sets_the_default_and_the_keyword_wins(capfd, monkeypatch):
+    monkeypatch.setenv("ZEROLAB_LAUNCH_OUTPUT", "all")
+    zl.launch(print_something, 2)
+    assert capfd.readouterr().out == "[rank 0] printed by rank 0\n[rank 1] printed by rank 1\n"
+    zl.launch(print_something, 2, output="none")
+    assert capfd.readouterr().out == ""
+
+
+def test_a_dead_ranks_output_is_in_the_error_and_the_others_are_shown(capfd, no_output_env):
+    with pytest.raises(zl.LaunchError) as info:
+        zl.launch(print_then_die_on_rank_1, 2, timeout=60)
+    msg = str(info.value)
+    assert info.value.rank == 1 and "exited with code 5" in msg
+    assert "rank 1 was here" in msg and "rank 1 is about to exit" in msg, msg
+    assert msg.index("rank 1 was here") < msg.index("rank 1 is about to exit"), "stderr last"
+    out, err = capfd.readouterr()
+    assert out == "[rank 0] rank 0 was here\n", "the others' output is still shown"
+    assert "[rank 1]" not in out + err, "the dead rank's output is in the error, not shown twice"
+
+
+@pytest.mark.parametrize("text, shown", [
+    ("", ""),
+    ("a\n", "[rank 3] a\n"),
+    ("a\n\nb", "[rank 3] a\n[rank 3] \n[rank 3] b\n"),
+    ("  x \r\n", "[rank 3]   x \r\n"),
+])
+def test_prefixed_keeps_every_line_and_strips_nothing(text, shown):
+    from zerolab.launch_output import prefixed
+    assert prefixed(text, 3) == shown
 
 
 # ---- failures
@@ -183,6 +279,8 @@ def nested_holder():
     (dict(fn=add, timeout=-3), ValueError, "timeout must be a positive"),
     (dict(fn=add, backend="mpi"), ValueError, "backend must be"),
     (dict(fn=add, args=5), TypeError, "args must be a tuple"),
+    (dict(fn=add, output="rank1"), ValueError, "output must be one of 'rank0', 'all', 'none'"),
+    (dict(fn=add, output=True), ValueError, "output must be one of"),
 ])
 def test_bad_input_is_rejected_before_start(kwargs, error, words, monkeypatch):
     def no_processes_please():
@@ -190,6 +288,15 @@ def test_bad_input_is_rejected_before_start(kwargs, error, words, monkeypatch):
     monkeypatch.setattr(launch_module, "_context", no_processes_please)
     with pytest.raises(error, match=words):
         zl.launch(**{"world_size": 2, **kwargs})
+
+
+def test_bad_output_environment_variable_is_rejected_before_start(monkeypatch):
+    def no_processes_please():
+        raise AssertionError("launch tried to start processes for bad input")
+    monkeypatch.setattr(launch_module, "_context", no_processes_please)
+    monkeypatch.setenv("ZEROLAB_LAUNCH_OUTPUT", "everything")
+    with pytest.raises(ValueError, match="ZEROLAB_LAUNCH_OUTPUT='everything' must be one of"):
+        zl.launch(add, 2, args=(1, 2))
 
 
 def test_notebook_defined_function_gets_a_clear_error():

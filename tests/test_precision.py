@@ -1,6 +1,7 @@
 """zl.precision against independent references: torch.amp.GradScaler, torch's clip, exact values."""
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -103,13 +104,46 @@ def test_loss_scaler_matches_gradscaler(settings):
 def test_hysteresis_and_min_scale_exact():
     s = LossScaler(init_scale=64.0, growth_interval=2, hysteresis=2, min_scale=16.0)
     trajectory = []
-    for found_inf in [True, False, True, True, True, True, True, False, False]:
+    for found_inf in [True, False, True, True, True, True, False, False, True, True]:
         s.update(found_inf)
         trajectory.append(s.scale)
-    # one overflow is tolerated; a finite step resets the count; two in a row back off;
-    # the scale never falls below min_scale; two finite steps grow it
-    assert trajectory == [64, 64, 64, 32, 32, 16, 16, 16, 32]
-    assert s.skipped == 6
+    # one overflow is tolerated; a finite step resets the count; two in a row back off, down
+    # to min_scale; two finite steps grow it
+    assert trajectory == [64, 64, 64, 32, 32, 16, 16, 32, 32, 16]
+    assert s.skipped == 7
+    # an overflow with the scale at its floor: the run gives up, naming the step
+    with pytest.raises(FloatingPointError, match="at step 11: .* already at its minimum"):
+        s.update(True, step=11)
+
+
+def test_too_many_skips_in_a_row_give_up_and_a_finite_step_resets_the_count():
+    s = LossScaler(init_scale=2.0**100, min_scale=1e-30, max_skips=4)
+    for found_inf in [True, True, True, False, True, True, True]:
+        s.update(found_inf)
+    with pytest.raises(FloatingPointError, match="4 steps in a row were skipped"):
+        s.update(True)
+
+
+def fp16_that_overflows_every_step():
+    import torch.distributed as dist
+    engine = zl.engines.make("zero2", torch.nn.Linear(4, 4), partial(torch.optim.SGD, lr=0.1),
+                             precision="fp16", scaler=LossScaler(init_scale=8.0))
+    applied = []
+    try:
+        for step in range(10):
+            engine.backward(engine(torch.randn(2, 4)).float().sum() * float("inf"))
+            applied.append(engine.step())
+            engine.zero_grad()
+    except FloatingPointError as e:
+        return applied, str(e), dist.get_rank()
+    return applied, "never gave up", dist.get_rank()
+
+
+def test_an_fp16_run_that_only_overflows_stops_loudly_on_every_rank():
+    for applied, message, rank in zl.launch(fp16_that_overflows_every_step, 2):
+        # 8 -> 4 -> 2 -> 1: three skipped steps back off to the floor, the fourth gives up
+        assert applied == [False, False, False], (rank, applied)
+        assert "fp16 gives up at step 3" in message and "first_nonfinite" in message, message
 
 
 def test_scaler_state_roundtrip():

@@ -43,7 +43,7 @@ import secrets
 
 import torch
 
-from .checkpoint_reader import FORMAT, METADATA, CheckpointError, Reader, _check_path
+from .checkpoint_reader import FORMAT, METADATA, CheckpointError, Reader, _check_path, check_save_dir
 from .engines.base import Engine
 
 
@@ -159,7 +159,7 @@ def save(engine, path, extra: dict | None = None) -> str:
     `extra` (ints, floats, strings, lists, dicts, tensors) is stored per rank and returned by
     load(): put the data position there. Every rank of the engine must call save.
     """
-    path = _check_path(path)
+    path = check_save_dir(path)
     kind = _kind(engine)
     _check_no_model_parallelism(engine, "save")
     if extra is not None and not isinstance(extra, dict):
@@ -236,8 +236,10 @@ def save(engine, path, extra: dict | None = None) -> str:
         _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
         # the new checkpoint is in place: shards of earlier saves are garbage now
         keep = {s["file"] for s in shards} | {s["file"] + ".json" for s in shards} | {METADATA}
+        # (every rank has renamed its shard into place, so a file still named *.tmp-PID is left
+        # over from a save that was interrupted: it goes too)
         for f in os.listdir(path):
-            if f.startswith("shard-") and f not in keep and ".tmp-" not in f:
+            if (f.startswith("shard-") and f not in keep) or f.startswith(METADATA + ".tmp-"):
                 try:
                     os.remove(os.path.join(path, f))
                 except FileNotFoundError:
@@ -271,6 +273,11 @@ def load(engine, path) -> dict:
     if info["precision"]["precision"] != engine.precision.name:
         raise CheckpointError(f"{reader.meta_path}: saved with precision {info['precision']['precision']!r}, "
                               f"the engine uses {engine.precision.name!r}")
+    saved_buffers = reader.shard(0)["buffers"]
+    for n, b in engine.model.named_buffers():
+        if n not in saved_buffers or saved_buffers[n].shape != b.shape:
+            raise CheckpointError(f"{reader.meta_path}: buffer {n!r} is missing from rank 0's shard "
+                                  "or has another shape")
     if len(info["param_groups"]) != len(engine.optimizer.param_groups):
         raise CheckpointError(f"{reader.meta_path}: the optimizer has {len(engine.optimizer.param_groups)} "
                               f"param groups, the checkpoint {len(info['param_groups'])}")
@@ -307,7 +314,8 @@ def load(engine, path) -> dict:
         for n, b in engine.model.named_buffers():
             b.copy_(buffers[n])
         for g, saved in zip(optimizer.param_groups, info["param_groups"]):
-            g.update(saved)
+            # hyperparameters only (lr, weight decay...): what the optimizer updates is the engine's
+            g.update({k: v for k, v in saved.items() if k in g and k != "params"})
         _refresh_compute(engine, reader)
     engine.steps = int(info["steps"])
     engine.precision.load_state_dict(info["precision"])

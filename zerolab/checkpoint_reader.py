@@ -35,6 +35,104 @@ def _check_path(path, what="path"):
     return os.fspath(path)
 
 
+def check_save_dir(path) -> str:
+    """Raise CheckpointError now (before training) unless `path` is, or can become, a writable
+    directory: a save that fails only at step 1000 loses 1000 steps."""
+    path = _check_path(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"{path}: exists and is not a directory; checkpoints are directories")
+    parent = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"{path}: cannot write there ({parent} is not writable)")
+    return path
+
+
+# ------------------------------------------------------------------ what a valid checkpoint holds
+#
+# Every field is checked before it is used, so a malformed or crafted file is a CheckpointError
+# naming the field, never a KeyError deep in load, a read outside the directory, or a value
+# that quietly changes what the optimizer updates.
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(what)
+
+
+def _is_int(x, low=0) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def _check_metadata(meta) -> None:
+    _need(isinstance(meta, dict), "the top level is not an object")
+    _need(meta.get("format") == FORMAT, f"format {meta.get('format')!r}, expected {FORMAT}")
+    _need(_is_int(meta.get("world_size"), 1), "world_size must be an int >= 1")
+    _need(_is_int(meta.get("steps")), "steps must be an int >= 0")
+    _need(isinstance(meta.get("engine"), str) and isinstance(meta.get("precision"), str),
+          "engine and precision must be strings")
+    params = meta.get("params")
+    _need(isinstance(params, dict), "params must be an object")
+    for name, info in params.items():
+        _need(isinstance(info, dict) and isinstance(info.get("shape"), list)
+              and all(_is_int(d) for d in info["shape"]) and isinstance(info.get("trainable"), bool)
+              and isinstance(info.get("dtype"), str), f"params[{name!r}] must have shape, dtype, trainable")
+    _need(isinstance(meta.get("buffers"), list) and all(isinstance(b, str) for b in meta["buffers"]),
+          "buffers must be a list of names")
+    _need(isinstance(meta.get("keys"), dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                      for k, v in meta["keys"].items()), "keys must map names to names")
+    shards = meta.get("shards")
+    _need(isinstance(shards, list) and len(shards) == meta["world_size"], "one shard per rank")
+    _need(sorted(s.get("rank") for s in shards if isinstance(s, dict)) == list(range(len(shards))),
+          "shard ranks must be 0 .. world_size - 1")
+    for s in shards:
+        f = s.get("file")
+        # a file name inside the checkpoint directory: no directory part, no way out of it
+        _need(isinstance(f, str) and f == os.path.basename(f) and f not in ("", ".", "..")
+              and not f.startswith(".") and "/" not in f and "\\" not in f,
+              f"shard file {f!r} must be a plain file name inside the checkpoint directory")
+        _need(_is_int(s.get("bytes")) and isinstance(s.get("sha256"), str) and len(s["sha256"]) == 64,
+              f"shard {f!r} must record its size and SHA-256")
+        _need(isinstance(s.get("pieces"), list), f"shard {f!r} must list its pieces")
+        for piece in s["pieces"]:
+            _need(isinstance(piece, list) and len(piece) == 3 and piece[0] in params
+                  and _is_int(piece[1]) and _is_int(piece[2]) and piece[1] < piece[2]
+                  <= _numel(params[piece[0]]["shape"]), f"piece {piece!r} of shard {f!r} is out of range")
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _check_shard(content, listed) -> None:
+    _need(isinstance(content, dict) and content.get("format") == FORMAT, "not a zerolab shard")
+    pieces = content.get("pieces")
+    _need(isinstance(pieces, list) and len(pieces) == len(listed), "not the pieces the metadata lists")
+    for piece, (name, lo, hi) in zip(pieces, listed):
+        _need(isinstance(piece, dict) and [piece.get("name"), piece.get("lo"), piece.get("hi")] == [name, lo, hi],
+              f"piece {name!r} [{lo}, {hi}) is not where the metadata says")
+        tensors = [piece.get("value")] + list(piece.get("state", {}).values())
+        _need(all(isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == hi - lo for t in tensors)
+              and isinstance(piece.get("scalars"), dict), f"piece {name!r} holds tensors of the wrong size")
+    _need(_is_int(content.get("steps")) and isinstance(content.get("extra"), dict)
+          and isinstance(content.get("rng"), dict) and isinstance(content.get("buffers"), dict)
+          and isinstance(content.get("precision"), dict), "steps, extra, rng, buffers or precision malformed")
+    _need(isinstance(content["precision"].get("precision"), str), "precision malformed")
+    rng = content["rng"]
+    _need(isinstance(rng.get("torch"), torch.Tensor) and rng["torch"].dtype == torch.uint8
+          and rng["torch"].shape == torch.get_rng_state().shape
+          and isinstance(rng.get("python"), (tuple, list)) and len(rng["python"]) == 3, "rng states malformed")
+    _need(all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in content["buffers"].items()),
+          "buffers malformed")
+    groups = content.get("param_groups")
+    _need(isinstance(groups, list) and all(isinstance(g, dict) and "params" not in g for g in groups),
+          "param_groups must hold hyperparameters only")
+
+
 class Reader:
     """The metadata, and the shards read on demand (checked, weights_only)."""
 
@@ -47,13 +145,10 @@ class Reader:
             raise CheckpointError(f"{self.meta_path}: missing; the directory holds no complete "
                                   "checkpoint (a save that never finished leaves none)")
         try:
-            with open(self.meta_path) as f:
+            with open(self.meta_path, encoding="utf-8") as f:
                 self.meta = json.load(f)
-            if self.meta.get("format") != FORMAT:
-                raise ValueError(f"format {self.meta.get('format')!r}, expected {FORMAT}")
-            for key in ("params", "shards", "keys", "world_size", "buffers"):
-                self.meta[key]
-        except (ValueError, KeyError, TypeError) as e:
+            _check_metadata(self.meta)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
             raise CheckpointError(f"{self.meta_path}: not valid zerolab checkpoint metadata ({e})") from None
         self.by_name: dict = {}   # name -> [(shard index, piece index, lo, hi)]
         for si, s in enumerate(self.meta["shards"]):
@@ -79,9 +174,10 @@ class Reader:
             except Exception as e:  # noqa: BLE001 - any unreadable file is reported the same way
                 raise CheckpointError(f"{f}: cannot be read as a weights-only torch file "
                                       f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-            if not isinstance(content, dict) or content.get("format") != FORMAT or \
-                    len(content.get("pieces", ())) != len(s["pieces"]):
-                raise CheckpointError(f"{f}: does not hold the pieces the metadata lists")
+            try:
+                _check_shard(content, s["pieces"])
+            except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+                raise CheckpointError(f"{f}: does not hold what the metadata lists ({e})") from None
             self._cache[si] = content
         return self._cache[si]
 

@@ -4,9 +4,11 @@
 
 Every rank is a fresh operating-system process. The parent picks one free port on
 127.0.0.1 (nothing listens on any other interface unless MASTER_ADDR names one), starts the
-ranks, and waits. Workers print nothing: their output goes to a
-log file that is shown only if they fail. What `fn` returns is sent back to the parent,
-so a notebook shows results in rank order, the same on every run.
+ranks, and waits. What `fn` returns is sent back to the parent, so a notebook shows results
+in rank order, the same on every run. What the workers print (stdout and stderr, C++ output
+too) goes to files, one pair per rank, that the parent shows when all ranks are done: rank by
+rank, each line prefixed `[rank r] ` -- by default rank 0's output and the other ranks'
+warnings and errors (output="rank0" | "all" | "none"; see zerolab.launch_output).
 
 Failures end the whole launch quickly and leave no process behind:
   * a rank that raises -> LaunchError naming the rank, with the worker's traceback;
@@ -34,12 +36,14 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
-from . import launch_worker
+from . import launch_output, launch_worker
 from .launch_worker import NCCL_WITH_CPU
 
 
 class LaunchError(RuntimeError):
     """A worker rank raised, died, or did not finish in time."""
+
+    quoted_output = False   # True when the message quotes the end of the failed rank's output
 
     def __init__(self, message: str, rank: int | None = None):
         super().__init__(message)
@@ -185,16 +189,11 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def _log_tail(path: str, limit: int = 3000) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            text = f.read()
-    except OSError:
-        return ""
-    text = text.strip()
-    if not text:
-        return ""
-    return "\n--- its output (last lines) ---\n" + text[-limit:]
+def _with_output(message: str, r: int, logs) -> LaunchError:
+    """A LaunchError for rank r that quotes the end of its output (not shown a second time)."""
+    error = LaunchError(message + launch_output.tail(*logs[r]), r)
+    error.quoted_output = True
+    return error
 
 
 @contextlib.contextmanager
@@ -255,10 +254,19 @@ def _run_in_place(fn, args, world_size_):
 
 
 def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None,
-           timeout: float = 300.0) -> list:
-    """Run fn(*args) on `world_size` ranks and return their values in rank order."""
+           timeout: float = 300.0, output: str | None = None) -> list:
+    """Run fn(*args) on `world_size` ranks and return their values in rank order.
+
+    What the ranks print is shown after they have all returned (or before the LaunchError, whose
+    message quotes the end of a dead rank's output instead of showing it), rank by rank, each line
+    prefixed `[rank r] `, stdout to sys.stdout and stderr to sys.stderr.
+    output: "rank0" (rank 0's stdout and stderr, the other ranks' stderr: warnings, errors),
+    "all" (every rank's stdout and stderr) or "none"; None takes $ZEROLAB_LAUNCH_OUTPUT, else
+    "rank0". Under torchrun each process prints for itself and `output` has no effect.
+    """
     if not isinstance(args, (tuple, list)):
         raise TypeError(f"launch: args must be a tuple of arguments for fn, got {type(args).__name__}")
+    output = launch_output.resolve(output)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if not callable(fn):
             raise TypeError(f"launch: fn must be a function, got {type(fn).__name__}")
@@ -272,10 +280,11 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
     port = _free_port(addr)
     logdir = tempfile.mkdtemp(prefix="zerolab-launch-")
     procs, conns, logs = [], [], []
+    quoted = None   # a failed rank whose output's end is in the error message
     try:
         for r in range(world_size):
             receive, send = ctx.Pipe(duplex=False)
-            log = os.path.join(logdir, f"rank{r}.log")
+            log = launch_output.paths(logdir, r)
             p = ctx.Process(target=launch_worker.run, name=f"zerolab-rank{r}",
                             args=(fn, tuple(args), r, world_size, addr, port, backend, timeout, send, log))
             try:
@@ -288,20 +297,36 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
             procs.append(p)
             conns.append(receive)
             logs.append(log)
-        return _collect(procs, conns, logs, timeout)
+        values = _collect(procs, conns, logs, timeout)
+        _let_finish(procs)  # they have sent their values and are exiting: keep their last words
+        return values
+    except LaunchError as exc:
+        quoted = exc.rank if exc.quoted_output else None
+        raise
     finally:
         _stop(procs)
         for c in conns:
             c.close()
-        for log in logs:
-            try:
-                os.remove(log)
-            except OSError:
-                pass
+        try:
+            launch_output.show(logs, output, skip=quoted)
+        finally:
+            for path in (p for pair in logs for p in pair):
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
         try:
             os.rmdir(logdir)
         except OSError:
             pass
+
+
+def _let_finish(procs, grace: float = 2.0) -> None:
+    """Wait briefly for ranks that have sent their value to exit, so whatever they write while
+    shutting down is shown on every run, not only when it beats _stop."""
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
 
 
 def _sent_nothing(conn) -> bool:
@@ -326,8 +351,8 @@ def _raise_root_cause(procs, conns, logs, others, grace: float) -> None:
                 continue
             others.discard(q)  # it has ended: it either sent something or it died silently
             if _sent_nothing(conns[q]):
-                raise LaunchError(f"launch: rank {q} {_describe_exit(procs[q].exitcode)} before "
-                                  "returning a result." + _log_tail(logs[q]), q)
+                raise _with_output(f"launch: rank {q} {_describe_exit(procs[q].exitcode)} before "
+                                   "returning a result.", q, logs)
         if time.monotonic() >= deadline:
             return
         time.sleep(0.02)
@@ -342,11 +367,10 @@ def _collect(procs, conns, logs, timeout):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             late = sorted(pending)
-            raise LaunchError(
+            raise _with_output(
                 f"launch: rank(s) {late} did not finish within the timeout of {timeout:g} s and "
                 "were stopped. A rank waiting in a collective that another rank never called "
-                "looks like this; so does a run that simply needs a longer timeout."
-                + _log_tail(logs[late[0]]), late[0])
+                "looks like this; so does a run that simply needs a longer timeout.", late[0], logs)
         watch = {}
         for r in pending:
             watch[conns[r]] = r
@@ -361,8 +385,8 @@ def _collect(procs, conns, logs, timeout):
                     status, value = pickle.loads(conn.recv_bytes())
                 except EOFError:
                     procs[r].join(2.0)
-                    raise LaunchError(f"launch: rank {r} {_describe_exit(procs[r].exitcode)} "
-                                      "before returning a result." + _log_tail(logs[r]), r) from None
+                    raise _with_output(f"launch: rank {r} {_describe_exit(procs[r].exitcode)} "
+                                       "before returning a result.", r, logs) from None
                 if status == "error":
                     # an error that reports a vanished peer is worth waiting a little longer on
                     echo = any(w in value for w in ("closed by peer", "remote worker", "Connection reset"))
@@ -378,6 +402,6 @@ def _collect(procs, conns, logs, timeout):
                 pending.discard(r)
             else:  # the process ended and sent nothing
                 procs[r].join(2.0)
-                raise LaunchError(f"launch: rank {r} {_describe_exit(procs[r].exitcode)} "
-                                  "before returning a result." + _log_tail(logs[r]), r)
+                raise _with_output(f"launch: rank {r} {_describe_exit(procs[r].exitcode)} "
+                                   "before returning a result.", r, logs)
     return [results[r] for r in range(len(procs))]

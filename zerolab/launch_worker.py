@@ -3,8 +3,9 @@
 zerolab.launch (the parent side) starts `run` in a fresh process per rank. The rank meets the
 others through a key-value store on 127.0.0.1 (rank 0 hosts it), initialises torch.distributed,
 runs fn(*args) and sends back what it returned, or its traceback. Its stdout and stderr go to
-a log file the parent shows only if something fails, and it ends itself if the parent goes away,
-so no orphan is left running.
+two files of its own (zerolab.launch_output), which the parent shows, prefixed by rank, when the
+launch ends (and the end of which it quotes if the rank fails). It ends itself if the parent
+goes away, so no orphan is left running.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import datetime
 import os
 import pickle
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -22,6 +22,8 @@ from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
+
+from . import launch_output
 
 # Under NCCL, CPU tensors travel over gloo: NCCL alone has no CPU path, and a chapter or test
 # that builds its model on the CPU (as they all do) must still run when a GPU happens to be
@@ -65,13 +67,11 @@ def _count_in(store, key: str, world_size_: int, add: bool = True) -> None:
         count = store.add(key, 0)
 
 
-def run(fn, args, rank_, world_size_, addr, port, backend, timeout, conn, log_path):
-    """The body of one started rank: its output to a log, torch.distributed up, fn(*args), the
-    value (or the traceback) sent back through `conn`, then a quick exit."""
-    # Workers print nothing to the caller: stdout and stderr (also of C++ code) go to a log.
-    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.dup2(log_fd, 1)
-    os.dup2(log_fd, 2)
+def run(fn, args, rank_, world_size_, addr, port, backend, timeout, conn, log_paths):
+    """The body of one started rank: its output to two files, torch.distributed up, fn(*args),
+    the value (or the traceback) sent back through `conn`, then a quick exit."""
+    # stdout and stderr (also of C++ code) go to this rank's two files; the parent shows them.
+    launch_output.redirect(*log_paths)
     threading.Thread(target=_watch_parent, daemon=True).start()
 
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank_),
@@ -99,6 +99,7 @@ def run(fn, args, rank_, world_size_, addr, port, backend, timeout, conn, log_pa
                                              f"to the parent: {exc!r}"))
     except BaseException:  # noqa: BLE001 - any failure is reported, with its traceback
         payload = pickle.dumps(("error", traceback.format_exc()))
+    launch_output.flush()  # everything fn printed is in the files before the parent hears back
     conn.send_bytes(payload)
     conn.close()
     if store is not None:
@@ -111,5 +112,5 @@ def run(fn, args, rank_, world_size_, addr, port, backend, timeout, conn, log_pa
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - the result is already sent
             pass
-    sys.stdout.flush()
+    launch_output.flush()
     os._exit(0)  # skip interpreter teardown: nothing is left to do and it can be slow

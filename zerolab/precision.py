@@ -67,13 +67,17 @@ class LossScaler:
 
     * a step whose gradients hold an inf or nan is skipped; after `hysteresis` such steps
       in a row the scale is multiplied by `backoff_factor` (never below `min_scale`);
-    * after `growth_interval` finite steps in a row it is multiplied by `growth_factor`.
+    * after `growth_interval` finite steps in a row it is multiplied by `growth_factor`;
+    * it gives up, raising FloatingPointError, when a step overflows with the scale already at
+      `min_scale`, or after `max_skips` skipped steps in a row: then the loss or the activations
+      themselves are inf or nan, and skipping forever would train nothing while looking alive
+      (DeepSpeed raises at its minimum scale too; GradScaler never gives up).
 
     With hysteresis=1 the scale trajectory is exactly GradScaler's (for scales above min_scale).
     """
 
     def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
-                 growth_interval=2000, hysteresis=1, min_scale=1.0):
+                 growth_interval=2000, hysteresis=1, min_scale=1.0, max_skips=50):
         def bad(what, value):
             return ValueError(f"LossScaler: {what}; got {value!r}")
 
@@ -91,7 +95,8 @@ class LossScaler:
             raise bad("growth_factor must be > 1", growth_factor)
         if not 0 < backoff_factor < 1:
             raise bad("backoff_factor must be in (0, 1)", backoff_factor)
-        for key, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
+        for key, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis),
+                           ("max_skips", max_skips)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise bad(f"{key} must be an int >= 1", value)
         self.scale = float(init_scale)
@@ -100,20 +105,34 @@ class LossScaler:
         self.growth_interval = growth_interval
         self.hysteresis = hysteresis
         self.min_scale = float(min_scale)
+        self.max_skips = max_skips
         self._good_steps = 0                  # finite steps since the last overflow or growth
         self._overflows_left = hysteresis     # overflows still tolerated before backing off
         self.skipped = 0                      # total skipped steps, for reports
+        self.skipped_in_a_row = 0
 
-    def update(self, found_inf: bool) -> None:
+    def update(self, found_inf: bool, step=None) -> None:
         """Advance the scale after one step; found_inf says whether that step was skipped."""
         if found_inf:
+            at_floor = self.scale <= self.min_scale
             self.skipped += 1
+            self.skipped_in_a_row += 1
+            if at_floor or self.skipped_in_a_row >= self.max_skips:
+                why = (f"the loss scale is already at its minimum ({self.min_scale:g})" if at_floor
+                       else f"{self.skipped_in_a_row} steps in a row were skipped (max_skips)")
+                raise FloatingPointError(
+                    f"fp16 gives up{'' if step is None else f' at step {step}'}: the gradients "
+                    f"overflowed again and {why}. The loss or the activations themselves are inf "
+                    "or nan, not only the scaled gradients: find the first module that makes them "
+                    "with zl.debug.first_nonfinite(model, batch), lower the learning rate, or train "
+                    "in bf16.")
             self._good_steps = 0
             self._overflows_left -= 1
             if self._overflows_left <= 0:
                 self.scale = max(self.scale * self.backoff_factor, self.min_scale)
                 self._overflows_left = self.hysteresis
         else:
+            self.skipped_in_a_row = 0
             self._overflows_left = self.hysteresis  # hysteresis counts consecutive overflows
             self._good_steps += 1
             if self._good_steps == self.growth_interval:
@@ -125,14 +144,16 @@ class LossScaler:
                 "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval,
                 "hysteresis": self.hysteresis, "min_scale": self.min_scale,
                 "good_steps": self._good_steps, "overflows_left": self._overflows_left,
-                "skipped": self.skipped}
+                "skipped": self.skipped, "max_skips": self.max_skips,
+                "skipped_in_a_row": self.skipped_in_a_row}
 
     def load_state_dict(self, d: dict) -> None:
         self.__init__(d["scale"], d["growth_factor"], d["backoff_factor"], d["growth_interval"],
-                      d["hysteresis"], d["min_scale"])
+                      d["hysteresis"], d["min_scale"], d.get("max_skips", 50))
         self._good_steps = int(d["good_steps"])
         self._overflows_left = int(d["overflows_left"])
         self.skipped = int(d["skipped"])
+        self.skipped_in_a_row = int(d.get("skipped_in_a_row", 0))
 
     def __repr__(self):
         return (f"LossScaler(scale={self.scale:g}, growth_interval={self.growth_interval}, "
@@ -315,10 +336,10 @@ class MixedPrecision:
             g.mul_(inv)
         return not found_overflow(grads, self.ledger, self.group)
 
-    def update(self, found_inf: bool) -> None:
+    def update(self, found_inf: bool, step=None) -> None:
         """Advance the loss scaler after a step (nothing to do without one)."""
         if self.scaler is not None:
-            self.scaler.update(bool(found_inf))
+            self.scaler.update(bool(found_inf), step)
 
     def state_dict(self) -> dict:
         return {"precision": self.name,

@@ -78,6 +78,12 @@ class TrainConfig:
             raise ValueError(f"save_every must be an int >= 0 (0 = never), got {self.save_every!r}")
         if self.save_every and not self.save_dir:
             raise ValueError("save_every needs save_dir: the directory to write checkpoints into")
+        if self.save_dir:
+            from .checkpoint_reader import CheckpointError, check_save_dir
+            try:
+                check_save_dir(self.save_dir)     # now, not at the first save
+            except CheckpointError as e:
+                raise ValueError(f"save_dir: {e}") from None
         if self.resume is not None:
             meta = os.path.join(os.fspath(self.resume), "metadata.json")
             if not os.path.exists(meta):

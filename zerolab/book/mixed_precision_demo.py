@@ -151,20 +151,25 @@ def stalled_update_demo(lr: float = 1e-4, steps: int = 200) -> dict:
 
 
 def scale_collapse_demo(steps: int = 40, min_scale: float = 1.0, hysteresis: int = 1) -> dict:
-    """A NaN in every gradient (a bug, not an overflow): the scaler blames the scale, backs
-    off every step, and the scale collapses to min_scale while no step is ever applied."""
+    """A NaN in every gradient (a bug, not an overflow): the scaler blames the scale and backs off
+    every step until the scale reaches min_scale; the next overflow there ends the run
+    (FloatingPointError, whose first sentence is returned as "stopped")."""
     mp = MixedPrecision("fp16", scaler=LossScaler(init_scale=2.0**16, hysteresis=hysteresis,
                                                   min_scale=min_scale))
-    scales, applied = [], []
+    scales, applied, stopped = [], [], None
     g = torch.Generator().manual_seed(0)
-    for _ in range(steps):
+    for step in range(steps):
         grad = torch.randn(64, generator=g) * mp.scale
         grad[7] = float("nan")
         ok = mp.unscale_and_check([grad])
-        mp.update(found_inf=not ok)
+        try:
+            mp.update(found_inf=not ok, step=step)
+        except FloatingPointError as e:
+            stopped = str(e).split(". ")[0]
+            break
         scales.append(mp.scale)
         applied.append(ok)
-    return {"scale": scales, "applied": applied}
+    return {"scale": scales, "applied": applied, "stopped": stopped}
 
 
 def memory_per_param(precision: str = "fp16", size: str = "nano") -> dict:

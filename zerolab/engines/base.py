@@ -163,7 +163,7 @@ class Engine:
     def _step(self) -> bool:
         grads = self._step_grads()
         if not self._grads_finite(grads):    # fp16 overflow: nothing changes, the scale drops
-            self.precision.update(found_inf=True)
+            self.precision.update(found_inf=True, step=self.steps)
             self._drop_step_grads()
             return False
         max_norm, self._clip_next = self._clip_next or self.max_grad_norm, None
@@ -202,7 +202,11 @@ class Engine:
         # of isfinite over every element
         sums = [s.float() for s in self._grad_sums(grads)]
         if sums and not bool(torch.isfinite(torch.stack(sums).sum())):
-            raise FloatingPointError(f"non-finite gradients in {self.precision.name} training")
+            where = f" on rank {self.rank}" if getattr(self, "world_size", 1) > 1 else ""
+            raise FloatingPointError(
+                f"non-finite gradients at step {self.steps}{where} in {self.precision.name} training "
+                "(there is no loss scale to lower): find the first module that makes inf or nan with "
+                "zl.debug.first_nonfinite(model, batch), or lower the learning rate.")
         return True
 
     def _grad_sums(self, grads) -> list:

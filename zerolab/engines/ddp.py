@@ -30,8 +30,9 @@ same cores, they make zl.DDP faster than PyTorch's C++ DDP):
   fp32 masters' in bf16/fp16), as ZeRO's is on its slices: AdamW makes a dozen calls per
   tensor it updates, so 4 buckets instead of 53 parameter tensors (the book's GPT) more than
   halve the optimizer's time. Any elementwise torch.optim optimizer computes the same numbers
-  as on the parameters one by one (zerolab.buckets). What it cannot do: per-parameter param
-  groups (the factory sees flat tensors), optimizers that look at a whole tensor (LAMB's trust
+  as on the parameters one by one (zerolab.buckets). Parameter groups (decay / no-decay,
+  per-group learning rates) get one view per (bucket, group) range (engines.param_groups).
+  What it cannot do: optimizers that look at a whole tensor (LAMB's trust
   ratio; torch.optim's Adafactor and Muon are refused), and a step counter per parameter: for
   a parameter that only SOME steps reach, Adam's bias correction is the bucket's. (One that no
   rank reached is held still, as a single process would skip it.)

@@ -12,6 +12,11 @@ network sits idle during the whole backward. zerolab.engines.ddp.DDP is the fast
 What every data-parallel engine shares is here, and DDP, ZeRO-1 and ZeRO-2 inherit it:
 the set-up (zerolab.engines.setup.start_data_parallel: checks, the group, ZeRO-R's options),
 the broadcast of rank 0's weights, the measured forward and no_sync.
+
+Buffers (BatchNorm's running statistics) are not gradients: each rank's own batches would pull
+them apart. As in PyTorch DDP, every training forward (grad enabled, outside no_sync) first
+broadcasts rank 0's buffers to every rank (broadcast_buffers=True, the default of every
+data-parallel engine, ZeRO-3's included; False leaves each rank its own).
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ import torch
 
 from ..buckets import bucket_order
 from ..precision import cast_for_compute
-from .base import Engine
 from . import param_groups
+from .base import Engine
 from .setup import broadcast_from_rank0, start_data_parallel
 
 

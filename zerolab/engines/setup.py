@@ -2,8 +2,8 @@
 
 * argument checks that need no other rank (_check_args), so a bad argument fails before any
   collective could hang;
-* check_same_model: every rank must wrap the same model (names, shapes, dtypes), compared by a
-  checksum over the engine's ledger, and broadcast_from_rank0: ranks start from rank 0's weights;
+* check_same_model: every rank must wrap the same model (names, shapes, dtypes) in the same
+  engine with the same options, compared by a checksum over the engine's ledger, and broadcast_from_rank0: ranks start from rank 0's weights;
 * data_parallel_layout: which group the engine averages over (the whole world, or a Mesh's dp
   group when the model is tensor-parallel), check_residual_options and enable_residual: ZeRO-R's
   activation options (chapter 9), checked and switched on;
@@ -65,14 +65,18 @@ def _signature(model) -> list:
     return rows
 
 
-def check_same_model(model, ledger: Ledger, src: int = 0) -> None:
-    """Raise on every rank, naming the first parameter where some rank differs from rank `src`.
+def check_same_model(model, ledger: Ledger, src: int = 0, config: dict | None = None) -> None:
+    """Raise on every rank, naming the first setting (`config`: the engine, its precision,
+    bucket size, options) or parameter where some rank differs from rank `src`.
 
-    The comparison runs over the ledger's group (the dp group under a Mesh, whose first
-    global rank is `src`). All ranks take part in the same three collectives whatever they
-    find, so a mismatch ends the job with an error instead of a hang.
+    Ranks that disagree on the engine or its options would call different collectives (a hang,
+    or gloo aborting on a size mismatch) much later; here they stop before the first one. The
+    comparison runs over the ledger's group (the dp group under a Mesh, whose first global rank
+    is `src`). All ranks take part in the same collectives whatever they find, so a mismatch
+    ends the job with an error instead of a hang.
     """
-    rows = _signature(model)
+    settings = [(f"{k} = {v!r}", zlib.crc32(f"{k}={v!r}".encode())) for k, v in (config or {}).items()]
+    rows = settings + _signature(model)
     length = torch.tensor([len(rows)], dtype=torch.int64)
     ledger.all_reduce(length, op="max", tag="setup")
     n = int(length.item())
@@ -85,10 +89,17 @@ def check_same_model(model, ledger: Ledger, src: int = 0) -> None:
     ledger.all_reduce(first, op="min", tag="setup")
     i = int(first.item())
     if i < n:
-        here = rows[i][0] if i < len(rows) else "(no parameter)"
-        raise ValueError(f"the ranks' models differ: parameter #{i} is {here} on this rank but "
-                         f"not the same on some rank (compared with rank {src}). Every rank must "
-                         f"build the same model.")
+        here = rows[i][0] if i < len(rows) else "(nothing)"
+        # rank src's own description of row i, so the error names both sides
+        text = torch.zeros(160, dtype=torch.uint8)
+        raw = here.encode()[:160]
+        text[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        ledger.broadcast(text, src=src, tag="setup")
+        theirs = bytes(text.tolist()).rstrip(b"\0").decode(errors="replace")
+        what = "engines' settings" if i < len(settings) else "models"
+        raise ValueError(f"the ranks' {what} differ: #{i} is {here} on this rank, {theirs} on rank "
+                         f"{src}. Every rank must build the same model and engine, with the same "
+                         "options.")
 
 
 def broadcast_from_rank0(tensors, ledger: Ledger, src: int = 0) -> None:
@@ -269,7 +280,15 @@ def start_data_parallel(engine, model, optimizer, *, precision, scaler, max_grad
     engine.broadcast_buffers = bool(broadcast_buffers)
     engine.steps, engine.last_peak, engine.last_grad_norm, engine.last_activations = 0, 0, None, None
     engine.last_backward = {}
-    check_same_model(model, engine.comm, engine._src)
+    config = {"engine": type(engine).__name__, "precision": precision, "bucket_mb": float(bucket_mb),
+              "max_grad_norm": max_grad_norm, "mesh": None if mesh is None else (mesh.dp, mesh.mp),
+              "checkpoint_activations": bool(checkpoint_activations),
+              "partition_activations": bool(partition_activations),
+              "offload_activations": bool(offload_activations), "broadcast_buffers": bool(broadcast_buffers)}
+    for option in ("prefetch", "overlap"):          # the engine's own, set before this runs
+        if hasattr(engine, option):
+            config[option] = getattr(engine, option)
+    check_same_model(model, engine.comm, engine._src, config)
 
 
 def measured_forward(engine, *inputs, **kwargs):

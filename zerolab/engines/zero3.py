@@ -98,13 +98,14 @@ class ZeRO3(UnitSchedule, Engine):
                 and any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError("the model is on the meta device: pass init_fn(name, module) to "
                              "initialise its parameters unit by unit")
+        self.prefetch = prefetch
         start_data_parallel(self, model, optimizer, precision=precision, scaler=scaler,
                             max_grad_norm=max_grad_norm, track_peak=track_peak, bucket_mb=bucket_mb,
                             mesh=mesh, checkpoint_activations=checkpoint_activations,
                             partition_activations=partition_activations,
                             offload_activations=offload_activations, track_activations=track_activations,
                             broadcast_buffers=broadcast_buffers)
-        self.prefetch, self.bucket_mb = prefetch, float(bucket_mb)
+        self.bucket_mb = float(bucket_mb)
         self.events: list = []
         self.gather_wait_s = 0.0        # seconds spent blocked waiting for all-gathers (what prefetch hides)
         self._fwd_order: list = []      # units in the order the last forward ran them
