@@ -103,18 +103,29 @@ def outlier_model(boost: float = 3000.0):
 
 def overflow(precision: str = "fp16", steps: int = 6, init_scale: float = 16.0):
     """ZeRO-2 on the outlier model: each step's loss scale, whether step() applied it, whether the
-    loss was finite; then the first module that produced a non-finite value."""
+    loss was finite, until the scaler gives up (a FloatingPointError); then the first module that
+    produced a non-finite value."""
     options = {"scaler": LossScaler(init_scale=init_scale)} if precision == "fp16" else {}
     engine = make("zero2", outlier_model(), precision=precision, **options)
     rank, world = where()
-    rows = []
+    rows, gave_up = [], None
     for step in range(steps):
         scale = engine.precision.scale
-        loss, applied = _step(engine, step, rank, world)
-        rows.append((step, scale, applied, bool(torch.isfinite(loss.detach()))))
+        ids = tokens(step, 0, rank, world)
+        out = engine(input_ids=ids, labels=ids)
+        engine.backward(out.loss)
+        finite = bool(torch.isfinite(out.loss.detach()))
+        try:
+            applied = engine.step()
+        except FloatingPointError as e:     # the scaler gives up
+            gave_up = first_line(e)
+            rows.append((step, scale, "raised", finite))
+            break
+        engine.zero_grad()
+        rows.append((step, scale, applied, finite))
     ids = tokens(steps, 0, rank, world)
     report = zl.debug.first_nonfinite(engine.module, input_ids=ids)
-    return {"rows": rows, "skipped": engine.precision.scaler.skipped if engine.precision.scaler else 0,
+    return {"rows": rows, "gave_up": gave_up,
             "report": None if report is None else (report.module, report.kind, report.inputs_finite)}
 
 
