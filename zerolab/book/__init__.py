@@ -11,6 +11,7 @@ and plot. One module per idea of a chapter:
     zero3_demo, zero3_plots          chapter 8: ZeRO-3
     zero_r_demo, zero_r_plots        chapter 9: ZeRO-R
     scaling_demo, bench_plots        chapter 10: scaling up, the benchmark's figures
+    own_model_demo, own_model_failures   chapter 11: a Hugging Face model, and what breaks
     gpu_results                      chapters 2, 5, 8, 9, 10: what was measured on a GPU (gpu/results/)
 """
 
