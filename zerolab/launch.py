@@ -352,30 +352,35 @@ def _let_finish(procs, grace: float = 2.0) -> None:
         p.join(max(0.0, deadline - time.monotonic()))
 
 
-def _sent_nothing(conn) -> bool:
-    """True if a finished rank's pipe holds no message (poll() is also true at end of file)."""
+def _message(conn):
+    """A finished rank's (status, value), or None if its pipe holds no message (poll() is also
+    true at end of file)."""
     if not conn.poll():
-        return True
+        return None
     try:
-        conn.recv_bytes()
-        return False
+        return pickle.loads(conn.recv_bytes())
     except EOFError:
-        return True
+        return None
 
 
-def _raise_root_cause(procs, conns, logs, others, grace: float) -> None:
+def _raise_root_cause(procs, conns, logs, others, grace: float, results: dict) -> None:
     """A rank's error may only be the echo of another rank's death (its peer closed the
-    connection). Look briefly for a rank that died without a word, and blame that one."""
+    connection). Look briefly for a rank that died without a word, and blame that one. A rank
+    that returned its value meanwhile goes into `results` (it finished early: not a crash)."""
     deadline = time.monotonic() + grace
     others = set(others)
     while others:
         for q in sorted(others):
-            if procs[q].is_alive():
+            if not conns[q].poll():      # nothing sent yet, and its pipe is still open
                 continue
-            others.discard(q)  # it has ended: it either sent something or it died silently
-            if _sent_nothing(conns[q]):
+            others.discard(q)
+            msg = _message(conns[q])
+            if msg is None:              # end of file without a message: it died silently
+                procs[q].join(2.0)
                 raise _with_output(f"launch: rank {q} {_describe_exit(procs[q].exitcode)} before "
                                    "returning a result.", q, logs)
+            if msg[0] == "ok":           # it returned its value: it finished early, no crash
+                results[q] = msg[1]
         if time.monotonic() >= deadline:
             return
         time.sleep(0.02)
@@ -413,7 +418,7 @@ def _collect(procs, conns, logs, timeout):
                 if status == "error":
                     # an error that reports a vanished peer is worth waiting a little longer on
                     echo = any(w in value for w in ("closed by peer", "remote worker", "Connection reset"))
-                    _raise_root_cause(procs, conns, logs, pending - {r}, grace=3.0 if echo else 0.3)
+                    _raise_root_cause(procs, conns, logs, pending - {r}, 3.0 if echo else 0.3, results)
                     if echo and results:
                         # nobody crashed: a rank that returned left the others in a collective
                         raise LaunchError(
