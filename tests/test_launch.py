@@ -398,3 +398,24 @@ def test_workers_listen_on_loopback_only(monkeypatch):
     for rank, sockets in enumerate(per_rank):
         for addr, port in sockets:
             assert addr == "127.0.0.1", f"rank {rank} listens on {addr}:{port}"
+
+
+@pytest.mark.parametrize("addr, words", [("::1", "not an IPv4 address of this machine"),
+                                         ("no-such-host.invalid", "not an IPv4 address of this machine"),
+                                         ("192.0.2.1", "not an IPv4 address of this machine")])
+def test_a_bad_listen_address_is_named_before_start(addr, words, monkeypatch):
+    def no_processes_please():
+        raise AssertionError("launch tried to start processes for bad input")
+    monkeypatch.setattr(launch_module, "_context", no_processes_please)
+    monkeypatch.setenv("ZEROLAB_LAUNCH_ADDR", addr)
+    with pytest.raises(ValueError, match=words) as info:
+        zl.launch(add, 2, args=(1, 2))
+    assert repr(addr) in str(info.value)
+
+
+def test_master_addr_of_a_cluster_script_does_not_open_the_store_to_the_network(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "0.0.0.0")
+    monkeypatch.delenv("ZEROLAB_LAUNCH_ADDR", raising=False)
+    with pytest.warns(UserWarning, match="MASTER_ADDR='0.0.0.0' is ignored"):
+        per_rank = zl.launch(listeners_after_a_collective, 2)
+    assert all(addr == "127.0.0.1" for sockets in per_rank for addr, _ in sockets), per_rank

@@ -3,7 +3,7 @@
     zl.launch(fn, world_size=2, args=(...))  ->  [value of rank 0, value of rank 1]
 
 Every rank is a fresh operating-system process. The parent picks one free port on
-127.0.0.1 (nothing listens on any other interface unless MASTER_ADDR names one), starts the
+127.0.0.1 (nothing listens on any other interface unless $ZEROLAB_LAUNCH_ADDR names one), starts the
 ranks, and waits. What `fn` returns is sent back to the parent, so a notebook shows results
 in rank order, the same on every run. What the workers print (stdout and stderr, C++ output
 too) goes to files, one pair per rank, that the parent shows when all ranks are done: rank by
@@ -295,10 +295,9 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
         return _run_in_place(fn, tuple(args), world_size, collective_timeout)
     _check_launchable(fn, world_size, timeout, backend, collective_timeout)
     backend = _choose_backend(world_size, backend)
+    addr = launch_worker.listen_address()   # loopback, unless asked otherwise in so many words
 
     ctx = _context()
-    # Loopback only, unless the caller named another address to listen on (MASTER_ADDR).
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = _free_port(addr)
     logdir = tempfile.mkdtemp(prefix="zerolab-launch-")
     procs, conns, logs = [], [], []

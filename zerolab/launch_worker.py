@@ -30,6 +30,41 @@ from . import launch_output
 # there (world_size 1 picks NCCL on any GPU box). CUDA tensors still go over NCCL.
 NCCL_WITH_CPU = "cpu:gloo,cuda:nccl"
 
+LISTEN_ENV = "ZEROLAB_LAUNCH_ADDR"
+
+
+def listen_address() -> str:
+    """The IPv4 address zl.launch's rendezvous store listens on: 127.0.0.1, unless
+    $ZEROLAB_LAUNCH_ADDR names another in so many words.
+
+    The store is unauthenticated: anything that reaches it can join the job or disturb it, and
+    zl.launch starts every rank on this machine, so loopback is all it needs. MASTER_ADDR
+    (torchrun's, often 0.0.0.0 in cluster scripts) is not taken as that request.
+    """
+    addr = os.environ.get(LISTEN_ENV)
+    if not addr:
+        master = os.environ.get("MASTER_ADDR")
+        if master and master not in ("127.0.0.1", "localhost") and not os.environ.get("ZEROLAB_WORKER"):
+            import warnings
+            warnings.warn(f"zl.launch starts every rank on this machine and listens on 127.0.0.1; "
+                          f"MASTER_ADDR={master!r} is ignored (set {LISTEN_ENV} to listen elsewhere).",
+                          stacklevel=3)
+        return "127.0.0.1"
+    try:
+        ip = socket.getaddrinfo(addr, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((ip, 0))                 # an address of this machine?
+    except (socket.gaierror, OSError) as e:
+        raise ValueError(f"{LISTEN_ENV}={addr!r}: not an IPv4 address of this machine "
+                         f"({getattr(e, 'strerror', None) or e}); zl.launch listens on IPv4 only") from None
+    if not ip.startswith("127."):
+        import warnings
+        warnings.warn(f"zl.launch: the rendezvous store listens on {ip} ({LISTEN_ENV}); it is "
+                      "unauthenticated: anyone who reaches that address can join or disturb the job.",
+                      stacklevel=3)
+    return ip
+
+
 def _watch_parent() -> None:
     """End this worker if the launching process goes away, so no orphan is left running."""
     parent = mp.parent_process()
