@@ -419,3 +419,22 @@ def test_master_addr_of_a_cluster_script_does_not_open_the_store_to_the_network(
     with pytest.warns(UserWarning, match="MASTER_ADDR='0.0.0.0' is ignored"):
         per_rank = zl.launch(listeners_after_a_collective, 2)
     assert all(addr == "127.0.0.1" for sockets in per_rank for addr, _ in sockets), per_rank
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_or_sighup_to_the_parent_stops_the_ranks_and_removes_their_files(tmp_path, sig):
+    script = tmp_path / "job.py"
+    script.write_text("import sys\nsys.path.insert(0, %r)\nimport zerolab as zl\nfrom test_launch import sleep_forever\n"
+                      "if __name__ == '__main__':\n    print('started', flush=True)\n    zl.launch(sleep_forever, 2)\n"
+                      % os.path.dirname(__file__))
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(scratch)})
+    assert proc.stdout.readline().strip() == "started"
+    time.sleep(3.0)                                  # the ranks are up and sleeping
+    proc.send_signal(sig)
+    assert proc.wait(timeout=30) != 0
+    time.sleep(0.5)
+    left = [p.name for p in scratch.iterdir() if p.name.startswith("zerolab-launch-")]
+    assert not left, left

@@ -33,6 +33,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import warnings
 import multiprocessing as mp
@@ -303,6 +304,7 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
     procs, conns, logs = [], [], []
     quoted = None   # a failed rank whose output's end is in the error message
     try:
+        _end_on_signals()
         for r in range(world_size):
             receive, send = ctx.Pipe(duplex=False)
             log = launch_output.paths(logdir, r)
@@ -349,6 +351,17 @@ def _let_finish(procs, grace: float = 2.0) -> None:
     deadline = time.monotonic() + grace
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
+
+
+def _end_on_signals() -> None:
+    """SIGTERM or SIGHUP to this process (a job scheduler, a closed terminal) ends the launch as
+    Ctrl-C does: the ranks are stopped and their files removed (launch's finally)."""
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) in (signal.SIG_DFL, None):
+                signal.signal(sig, stop)
 
 
 def _message(conn):
