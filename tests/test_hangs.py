@@ -63,3 +63,25 @@ def test_a_frozen_rank_is_named_within_seconds_rank_0_included(frozen):
     else:
         assert "rank 1 (last at #" in message and "step2" in message, message[-1500:]
     assert took < 40, f"{took:.1f} s to name the frozen rank"
+
+
+def test_under_torchrun_a_hanging_rank_is_named_by_the_collective_timeout_too(tmp_path):
+    import socket
+    import subprocess
+    import sys
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    with socket.socket() as s:                # a free port for torchrun's own rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    out = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                          "--master-port", str(port), "-m", "zerolab", "train", "--size", "nano",
+                          "--steps", "8", "--batch-size", "2", "--fault", "hang@3:1",
+                          "--collective-timeout", "4", "--no-progress"],
+                         capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    took = time.monotonic() - start
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert "did not complete within 4 s. Ranks that did not arrive: rank 1" in text, text[-2000:]
+    assert took < 90, f"{took:.1f} s"
