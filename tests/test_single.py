@@ -158,3 +158,22 @@ def test_bad_optimizer_and_precision():
         SingleProcess(model, ADAMW, precision="fp8")
     with pytest.raises(ValueError, match="max_grad_norm"):
         SingleProcess(model, ADAMW, max_grad_norm=-1)
+
+
+def test_no_sync_accumulates_as_the_data_parallel_engines_loop_expects():
+    # a loop written for zl.DDP (no_sync on all but the last micro-batch) runs unchanged here
+    from functools import partial
+    import zerolab as zl
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(4, 3)
+    engine = zl.SingleProcess(a, partial(torch.optim.SGD, lr=0.1))
+    with engine.no_sync():
+        engine.backward(engine(x[:2]).pow(2).sum())
+    engine.backward(engine(x[2:]).pow(2).sum())
+    engine.step()
+    opt = torch.optim.SGD(b.parameters(), lr=0.1)
+    b(x).pow(2).sum().backward()
+    opt.step()
+    assert all(torch.allclose(p, q, atol=1e-6) for p, q in zip(a.parameters(), b.parameters()))
