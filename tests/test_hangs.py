@@ -85,3 +85,21 @@ def test_under_torchrun_a_hanging_rank_is_named_by_the_collective_timeout_too(tm
     text = out.stdout + out.stderr
     assert "did not complete within 4 s. Ranks that did not arrive: rank 1" in text, text[-2000:]
     assert took < 90, f"{took:.1f} s"
+
+
+def different_collectives():
+    ledger = Ledger()
+    t = torch.ones(4)
+    ledger.all_reduce(t, tag="same")
+    if dist.get_rank() == 0:
+        ledger.all_reduce(t, tag="clip")          # rank 0 alone clips, say
+    else:
+        ledger.broadcast(t, src=1, tag="other")   # rank 1 does something else
+    return "never"
+
+
+def test_ranks_in_different_collectives_are_named_as_such():
+    with pytest.raises(zl.LaunchError) as info:
+        zl.launch(different_collectives, 2, collective_timeout=3.0)
+    message = str(info.value)
+    assert "in a different collective, #2" in message, message[-1500:]

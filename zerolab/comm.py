@@ -64,7 +64,12 @@ class CommRecord:
         return float("nan") if self.end is None else self.end - self.start
 
 
-class CollectiveTimeout(RuntimeError):
+class CollectiveError(RuntimeError):
+    """A collective failed (a peer closed its connection...); the message names the ranks that
+    had not arrived, as far as the store knows."""
+
+
+class CollectiveTimeout(CollectiveError):
     """A collective did not complete within the ledger's timeout."""
 
 
@@ -84,7 +89,9 @@ class Handle:
                 try:
                     self._work.wait(datetime.timedelta(seconds=timeout))
                 except RuntimeError as exc:
-                    raise self._ledger._timed_out(self.record, self._group, self._seq, exc) from None
+                    # it waited too long, or it failed at once (a peer closed its connection)
+                    waited = "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
+                    raise self._ledger._timed_out(self.record, self._group, self._seq, exc, waited) from None
             self._work = None
         if self.record.end is None:
             self.record.end = self._ledger.now()
@@ -220,7 +227,7 @@ class Ledger:
                 f"zl.launch rank 0 hosts it: rank 0 is frozen or gone. [{str(exc)[:200]}]") from None
         return seq
 
-    def _timed_out(self, rec: CommRecord, group, seq: int, exc) -> CollectiveTimeout:
+    def _timed_out(self, rec: CommRecord, group, seq: int, exc, waited: bool = True) -> CollectiveError:
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         me = dist.get_rank()
         store = _store()
@@ -238,6 +245,10 @@ class Ledger:
                 their_seq, op, tag = store.get(key).decode().split("|", 2)
                 if int(their_seq) < seq:
                     behind.append(f"rank {r} (last at #{their_seq} {op}{f' {tag!r}' if tag else ''})")
+                elif int(their_seq) == seq and (op, tag) != (rec.op, rec.tag):
+                    # as many collectives as this rank, but another one: the ranks' code differs
+                    behind.append(f"rank {r} (in a different collective, #{their_seq} {op}"
+                                  f"{f' {tag!r}' if tag else ''})")
 
         # A store whose host is frozen (SIGSTOP) does not answer, and TCPStore's own timeout
         # does not end a read then: read in a thread, and wait for it a bounded time.
@@ -249,10 +260,11 @@ class Ledger:
             behind = [f"rank 0 (frozen or gone: the store it hosts under zl.launch did not answer "
                       f"within {wait:g} s)"]
         who = ", ".join(behind) if behind else "none recorded as behind (they may have failed inside it)"
-        return CollectiveTimeout(
-            f"{rec.op}{f' {rec.tag!r}' if rec.tag else ''} (collective #{seq} of rank {me}) did not "
-            f"complete within {self.timeout:g} s. Ranks that did not arrive: {who}. A rank that "
-            f"crashed, hangs, or runs a different sequence of collectives causes this. [{exc}]")
+        what = f"{rec.op}{f' {rec.tag!r}' if rec.tag else ''} (collective #{seq} of rank {me})"
+        kind, how = (CollectiveTimeout, f"did not complete within {self.timeout:g} s") if waited else \
+            (CollectiveError, "failed: a peer left it")
+        return kind(f"{what} {how}. Ranks that did not arrive: {who}. A rank that crashed, hangs, "
+                    f"finished early or runs a different sequence of collectives causes this. [{exc}]")
 
     # --- collectives
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group=None, async_op=False, tag=""):
