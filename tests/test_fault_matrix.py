@@ -1,0 +1,90 @@
+"""The fault matrix: a rank that raises, exits, is killed, hangs or is frozen (SIGSTOP), in the
+forward, the backward or the step of a ZeRO-2 training run, is named, and the job ends within
+the collective timeout plus start-up, whichever rank it is (rank 0 hosts the rendezvous store).
+
+Bound: collective timeout (3 s) + the watchdog's bounded store read (3 s) + start-up and
+teardown on 2 shared cores; the old whole-job deadline was 300 s.
+"""
+
+import os
+import signal
+import time
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerolab as zl
+
+TIMEOUT = 3.0
+BOUND = 40.0
+
+
+def inject(kind):
+    if kind == "raise":
+        raise RuntimeError("injected fault")
+    if kind == "exit":
+        os._exit(3)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "hang":
+        time.sleep(3600)
+    if kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+class FaultInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, kind):
+        ctx.kind = kind
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inject(ctx.kind)
+        return grad, None
+
+
+def faulty_run(kind, phase, who):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    engine = zl.ZeRO(model, partial(torch.optim.SGD, lr=0.1), stage=2)
+    me = dist.get_rank()
+    for step in range(4):
+        armed = step == 2 and me == who
+        if armed and phase == "forward":
+            inject(kind)
+        x = torch.randn(4, 8)
+        if armed and phase == "backward":
+            x = FaultInBackward.apply(x.requires_grad_(), kind)
+        engine.backward(engine(x).pow(2).mean())
+        if armed and phase == "step":
+            inject(kind)
+        engine.step()             # ZeRO-2 all-gathers the updated slices here
+        engine.zero_grad()
+    return "finished"
+
+
+CASES = [(k, p, w) for k in ("raise", "exit", "kill") for p in ("forward", "backward", "step") for w in (0, 1)]
+CASES += [("hang", "backward", 0), ("hang", "backward", 1), ("stop", "backward", 0),
+          ("stop", "backward", 1), ("stop", "forward", 0)]
+
+
+@pytest.mark.parametrize("kind, phase, who", CASES)
+def test_every_fault_is_named_within_the_collective_timeout(kind, phase, who):
+    start = time.monotonic()
+    with pytest.raises(zl.LaunchError) as info:
+        zl.launch(faulty_run, 2, args=(kind, phase, who), collective_timeout=TIMEOUT, output="none")
+    took = time.monotonic() - start
+    message = str(info.value)
+    if kind in ("raise", "exit", "kill"):
+        # the rank itself is named: its traceback, or how it died
+        assert info.value.rank == who, message[-1500:]
+        words = {"raise": "injected fault", "exit": "exited with code 3", "kill": "SIGKILL"}[kind]
+        assert words in message, message[-1500:]
+    else:
+        # it is alive and silent: the rank waiting for it names it
+        assert info.value.rank == 1 - who, message[-1500:]
+        assert f"Ranks that did not arrive: rank {who} (" in message, message[-1500:]
+    assert took < BOUND, f"{kind} in {phase} on rank {who}: {took:.1f} s"
