@@ -146,6 +146,37 @@ def test_an_fp16_run_that_only_overflows_stops_loudly_on_every_rank():
         assert "fp16 gives up at step 3" in message and "first_nonfinite" in message, message
 
 
+class Boost(torch.nn.Module):
+    """Multiplies by 1e6: in fp16 (largest value 65504) its output is inf."""
+    def forward(self, x):
+        return x * 1e6
+
+
+def fp16_gives_up_naming_the_module(kind):
+    from collections import OrderedDict
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(OrderedDict(proj=torch.nn.Linear(4, 4), boost=Boost(), head=torch.nn.Linear(4, 1)))
+    engine = zl.engines.make(kind, model, partial(torch.optim.SGD, lr=0.1),
+                             precision="fp16", scaler=LossScaler(init_scale=8.0))
+    try:
+        for step in range(10):
+            engine.backward(engine(torch.randn(2, 4)).float().sum())
+            engine.step()
+            engine.zero_grad()
+    except FloatingPointError as e:
+        return str(e)
+    return "never gave up"
+
+
+@pytest.mark.parametrize("kind", ["ddp", "zero3"])
+def test_the_fp16_give_up_names_the_module_that_overflowed(kind):
+    # an independent reference for "which module": Boost is the only module whose output can
+    # exceed fp16's range; ZeRO-3 re-runs the forward with its gathering hooks on every rank
+    for message in zl.launch(fp16_gives_up_naming_the_module, 2, args=(kind,)):
+        assert "fp16 gives up at step 3" in message, message
+        assert "boost produced inf" in message and "its inputs were finite" in message, message
+
+
 def test_scaler_state_roundtrip():
     s = LossScaler(init_scale=8.0, growth_interval=3, hysteresis=2)
     for f in [False, True, False]:

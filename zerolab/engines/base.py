@@ -77,6 +77,7 @@ class Engine:
     _clip_next = None           # max_norm of a clip_grad_norm_() call, for the next step
     _group_views = None         # flat engines with several parameter groups: param_groups.GroupViews
     broadcast_buffers = False   # data-parallel engines: True by default (engines.setup)
+    _last_batch = None          # fp16: the last training forward's inputs, to diagnose a give-up
 
     # -------------------------------------------------------------- forward
     def __call__(self, *args, **kwargs):
@@ -90,6 +91,8 @@ class Engine:
         dtype = self.precision.compute_dtype
         args, kwargs = tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
                                 else x, (args, kwargs))
+        if self.precision.scaler is not None and torch.is_grad_enabled():
+            self._last_batch = (args, kwargs)   # a reference, not a copy: the batch is alive anyway
         return self._forward(*args, **kwargs)
 
     def _forward(self, *args, **kwargs):
@@ -163,8 +166,11 @@ class Engine:
     def _step(self) -> bool:
         grads = self._step_grads()
         if not self._grads_finite(grads):    # fp16 overflow: nothing changes, the scale drops
-            self.precision.update(found_inf=True, step=self.steps)
             self._drop_step_grads()
+            try:
+                self.precision.update(found_inf=True, step=self.steps)
+            except FloatingPointError as gave_up:
+                raise FloatingPointError(f"{gave_up} {self._diagnose()}") from None
             return False
         max_norm, self._clip_next = self._clip_next or self.max_grad_norm, None
         if max_norm is not None:
@@ -208,6 +214,21 @@ class Engine:
                 "(there is no loss scale to lower): find the first module that makes inf or nan with "
                 "zl.debug.first_nonfinite(model, batch), or lower the learning rate.")
         return True
+
+    def _diagnose(self) -> str:
+        """fp16 gave up: re-run the last training batch with a hook on every module and name the
+        first one whose output is not finite (zerolab.debug). Every rank gets here at the same
+        step (the overflow verdict is all-reduced), so ZeRO-3's gathering forward is safe."""
+        if self._last_batch is None:
+            return ""
+        from ..debug import first_nonfinite
+        args, kwargs = self._last_batch
+        self._last_batch = None
+        found = first_nonfinite(self.model, *args, **kwargs)
+        if found is None:
+            return ("The last batch's forward is finite on this rank, so the overflow is in the "
+                    "backward: look at the loss's scale and at the gradients of the last layers.")
+        return f"In the last batch's forward on this rank, {found}."
 
     def _grad_sums(self, grads) -> list:
         return [g.sum() for g in grads if g is not None]
