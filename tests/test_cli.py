@@ -39,6 +39,12 @@ def test_train_reports_and_plots(tmp_path):
     (["--size", "huge"], "invalid choice: 'huge'"),
     (["--precision", "fp64"], "invalid choice: 'fp64'"),
     (["--steps", "0"], "steps must be >= 1"),
+    (["--lr", "inf"], "lr must be a finite number > 0"),
+    (["--lr", "nan"], "lr must be a finite number > 0"),
+    (["--bucket-mb", "0"], "bucket_mb must be a finite number > 0"),
+    (["--seed", "-1"], "seed must be an int in [0, 2**63)"),
+    (["--collective-timeout", "inf"], "collective_timeout must be a finite number"),
+    (["--timeout", "-5"], "timeout must be a finite number"),
 ])
 def test_train_rejects_bad_arguments_with_usage(args, words, capsys):
     from zerolab.__main__ import main
@@ -49,6 +55,27 @@ def test_train_rejects_bad_arguments_with_usage(args, words, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert words in err and ("usage:" in err or "zerolab train: error" in err)
+
+
+def _train_planning_more_steps_on_rank_1():
+    import zerolab as zl
+    from zerolab.train import TrainConfig, train_worker
+    cfg = TrainConfig(size="nano", strategy="zero2", steps=3 + zl.rank(), world_size=2).check()
+    try:
+        train_worker(cfg)
+    except ValueError as e:
+        return str(e)
+    return "trained"
+
+
+def test_ranks_planning_different_runs_stop_before_training():
+    # under torchrun each node parses its own command line: a node given --steps 4 would wait
+    # at step 3's collectives for ranks that already finished
+    import zerolab as zl
+    messages = zl.launch(_train_planning_more_steps_on_rank_1, 2)
+    for message in messages:   # the same words on every rank, whichever the launcher shows
+        assert message.startswith("the ranks' training plans differ: #3 is steps = 4 on rank 1, "
+                                  "steps = 3 on rank 0"), messages
 
 
 def test_train_under_torchrun(tmp_path):

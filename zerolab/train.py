@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from . import data, engines, memory, models
+from .comm import Ledger
+from .engines.setup import check_same_plan
 from .launch import launch, rank, world_size
 
 
@@ -73,8 +75,12 @@ class TrainConfig:
         for name in ("world_size", "steps", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr!r}")
+        if not (isinstance(self.bucket_mb, (int, float)) and math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
+            raise ValueError(f"bucket_mb must be a finite number > 0, got {self.bucket_mb!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
         if isinstance(self.save_every, bool) or not isinstance(self.save_every, int) or self.save_every < 0:
             raise ValueError(f"save_every must be an int >= 0 (0 = never), got {self.save_every!r}")
         if self.save_every and not self.save_dir:
@@ -125,6 +131,14 @@ def parse_fault(spec: str, world_size: int) -> tuple:
     return kind, step, who, module
 
 
+def plan(cfg: TrainConfig) -> dict:
+    """What every rank must agree on before training: under torchrun each node parses its own
+    command line, and ranks planning different runs would wait for each other forever."""
+    return {k: getattr(cfg, k) for k in ("size", "strategy", "precision", "steps", "batch_size", "lr",
+                                         "seed", "bucket_mb", "save_every", "find_nan", "fault")} | \
+        {"resume": cfg.resume is not None}
+
+
 def make_engine(cfg: TrainConfig, model: torch.nn.Module):
     """Wrap `model` in the engine named by cfg.strategy."""
     optimizer = functools.partial(torch.optim.AdamW, lr=cfg.lr, weight_decay=0.0)
@@ -139,6 +153,8 @@ def train_worker(cfg: TrainConfig, progress=None) -> dict:
     torch.manual_seed(cfg.seed)
     model_cfg = models.gpt_config(cfg.size)
     model = models.GPT(model_cfg).to(_device())
+    if world_size() > 1:   # before the engine's first collective
+        check_same_plan(plan(cfg), Ledger(timeout=cfg.collective_timeout))
     engine = make_engine(cfg, model)
     engine.comm.timeout = cfg.collective_timeout    # the ledger's watchdog: name the rank that is late
     dataset = data.CharDataset(model_cfg.block_size, seed=cfg.seed)

@@ -72,11 +72,28 @@ def check_same_model(model, ledger: Ledger, src: int = 0, config: dict | None = 
     Ranks that disagree on the engine or its options would call different collectives (a hang,
     or gloo aborting on a size mismatch) much later; here they stop before the first one. The
     comparison runs over the ledger's group (the dp group under a Mesh, whose first global rank
-    is `src`). All ranks take part in the same collectives whatever they find, so a mismatch
-    ends the job with an error instead of a hang.
+    is `src`).
     """
-    settings = [(f"{k} = {v!r}", zlib.crc32(f"{k}={v!r}".encode())) for k, v in (config or {}).items()]
-    rows = settings + _signature(model)
+    settings = _setting_rows(config or {})
+    compare_rows(settings + _signature(model), ledger, src,
+                 lambda i: "engines' settings" if i < len(settings) else "models")
+
+
+def check_same_plan(plan: dict, ledger: Ledger, src: int = 0) -> None:
+    """The same comparison for a training run's plan (steps, batch size, learning rate, ...):
+    ranks that plan different step counts would finish apart and leave the others waiting."""
+    compare_rows(_setting_rows(plan), ledger, src, lambda i: "training plans")
+
+
+def _setting_rows(settings: dict) -> list:
+    return [(f"{k} = {v!r}", zlib.crc32(f"{k}={v!r}".encode())) for k, v in settings.items()]
+
+
+def compare_rows(rows: list, ledger: Ledger, src: int, what) -> None:
+    """rows: (description, hash) on every rank. Raise on every rank the same error, naming the
+    first row i in which some rank differs from rank `src`, as the first such rank and as `src`
+    describe it. All ranks take part in the same collectives whatever they find, so a mismatch
+    ends the job with an error instead of a hang. what(i) names the kind of thing row i is."""
     length = torch.tensor([len(rows)], dtype=torch.int64)
     ledger.all_reduce(length, op="max", tag="setup")
     n = int(length.item())
@@ -88,18 +105,25 @@ def check_same_model(model, ledger: Ledger, src: int = 0, config: dict | None = 
     first = torch.tensor([int(differs[0]) if len(differs) else n], dtype=torch.int64)
     ledger.all_reduce(first, op="min", tag="setup")
     i = int(first.item())
-    if i < n:
-        here = rows[i][0] if i < len(rows) else "(nothing)"
-        # rank src's own description of row i, so the error names both sides
-        text = torch.zeros(160, dtype=torch.uint8)
-        raw = here.encode()[:160]
-        text[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-        ledger.broadcast(text, src=src, tag="setup")
-        theirs = bytes(text.tolist()).rstrip(b"\0").decode(errors="replace")
-        what = "engines' settings" if i < len(settings) else "models"
-        raise ValueError(f"the ranks' {what} differ: #{i} is {here} on this rank, {theirs} on rank "
-                         f"{src}. Every rank must build the same model and engine, with the same "
-                         "options.")
+    if i == n:
+        return
+    who = torch.tensor([_rank() if mine[i] != ref[i] else 2**62], dtype=torch.int64)
+    ledger.all_reduce(who, op="min", tag="setup")     # the first rank that differs at row i
+    who = int(who.item())
+    here = rows[i][0] if i < len(rows) else "(nothing)"
+    theirs, ours = (_described_by(here, r, ledger) for r in (who, src))
+    raise ValueError(f"the ranks' {what(i)} differ: #{i} is {theirs} on rank {who}, {ours} on rank "
+                     f"{src}. Every rank must build the same model and engine, with the same "
+                     "options, and plan the same run.")
+
+
+def _described_by(text: str, src: int, ledger: Ledger) -> str:
+    """Rank src's `text`, on every rank (at most 160 bytes)."""
+    buf = torch.zeros(160, dtype=torch.uint8)
+    raw = text.encode()[:160]
+    buf[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    ledger.broadcast(buf, src=src, tag="setup")
+    return bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace")
 
 
 def broadcast_from_rank0(tensors, ledger: Ledger, src: int = 0) -> None:
