@@ -438,3 +438,55 @@ def test_sigterm_or_sighup_to_the_parent_stops_the_ranks_and_removes_their_files
     time.sleep(0.5)
     left = [p.name for p in scratch.iterdir() if p.name.startswith("zerolab-launch-")]
     assert not left, left
+
+
+def sleep_ignoring_sigterm():
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)   # the parent's clean-up must kill it: ~3 s
+    time.sleep(3600)
+
+
+def test_a_second_ctrl_c_during_the_clean_up_leaves_nothing_behind(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("import sys\nsys.path.insert(0, %r)\nimport zerolab as zl\n"
+                      "from test_launch import sleep_ignoring_sigterm\n"
+                      "if __name__ == '__main__':\n    print('started', flush=True)\n"
+                      "    zl.launch(sleep_ignoring_sigterm, 2)\n" % os.path.dirname(__file__))
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "TMPDIR": str(scratch)})
+    assert proc.stdout.readline().strip() == "started"
+    time.sleep(3.0)                       # the ranks are up and sleeping
+    proc.send_signal(signal.SIGINT)       # the clean-up starts: SIGTERM, then 3 s, then SIGKILL
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)       # a second Ctrl-C in the middle of it
+    assert proc.wait(timeout=30) != 0
+    left = [p.name for p in scratch.iterdir() if p.name.startswith("zerolab-")]
+    assert not left, left
+    assert "KeyboardInterrupt" in proc.stderr.read()
+
+
+@pytest.mark.parametrize("body, words", [
+    # a script whose top level calls zl.launch: every rank re-runs it while starting
+    ("def f():\n    return 1\nzl.launch(f, 2)\n",
+     "Put it under `if __name__ == \"__main__\":`"),
+    # a script that cannot be imported a second time (here: in a rank)
+    ("import multiprocessing as mp\nif mp.current_process().name != 'MainProcess':\n"
+     "    raise ImportError('needs the main process')\ndef f():\n    return 1\n"
+     "if __name__ == '__main__':\n    zl.launch(f, 2)\n",
+     "ImportError: needs the main process"),
+])
+def test_a_rank_that_fails_while_starting_shows_its_traceback_in_the_error(tmp_path, body, words):
+    # before fn runs, a rank's output is not yet redirected to its files: without
+    # zerolab.launch_startup the error said only "exited with code 1"
+    script = tmp_path / "job.py"
+    script.write_text("import zerolab as zl\n" + body)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TMPDIR": str(scratch)})
+    assert out.returncode != 0
+    error = out.stderr[out.stderr.index("LaunchError"):]
+    assert "exited with code 1 before returning a result" in error, out.stderr[-2000:]
+    assert "it failed while starting (before fn was called)" in error and words in error, error
+    assert not list(scratch.iterdir()), "no start-up file or log left behind"

@@ -37,23 +37,13 @@ import threading
 import time
 import warnings
 import multiprocessing as mp
-from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
 
-from . import launch_output, launch_worker
+from . import launch_output, launch_startup, launch_worker
+from .launch_results import LaunchError, collect
 from .launch_worker import NCCL_WITH_CPU
-
-
-class LaunchError(RuntimeError):
-    """A worker rank raised, died, or did not finish in time."""
-
-    quoted_output = False   # True when the message quotes the end of the failed rank's output
-
-    def __init__(self, message: str, rank: int | None = None):
-        super().__init__(message)
-        self.rank = rank
 
 
 # --------------------------------------------------------------------- who am I?
@@ -186,28 +176,12 @@ def _context():
     if _CONTEXT is None:
         if "forkserver" in mp.get_all_start_methods():
             _CONTEXT = mp.get_context("forkserver")
-            _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "zerolab"])
+            # (zerolab.launch_startup: a rank that fails while starting leaves its traceback)
+            _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "zerolab",
+                                             "zerolab.launch_startup_hook"])
         else:
             _CONTEXT = mp.get_context("spawn")
     return _CONTEXT
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "is still running"
-    if code < 0:
-        try:
-            return f"was killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-def _with_output(message: str, r: int, logs) -> LaunchError:
-    """A LaunchError for rank r that quotes the end of its output (not shown a second time)."""
-    error = LaunchError(message + launch_output.tail(*logs[r]), r)
-    error.quoted_output = True
-    return error
 
 
 @contextlib.contextmanager
@@ -286,6 +260,11 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
     "all" (every rank's stdout and stderr) or "none"; None takes $ZEROLAB_LAUNCH_OUTPUT, else
     "rank0". Under torchrun each process prints for itself and `output` has no effect.
     """
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise RuntimeError(
+            "zl.launch was called while a rank was starting: every rank re-runs the script that "
+            "defines fn, so a call at the script's top level runs again in each rank. Put it under "
+            "`if __name__ == \"__main__\":`.")
     if not isinstance(args, (tuple, list)):
         raise TypeError(f"launch: args must be a tuple of arguments for fn, got {type(args).__name__}")
     output = launch_output.resolve(output)
@@ -321,28 +300,31 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
             procs.append(p)
             conns.append(receive)
             logs.append(log)
-        values = _collect(procs, conns, logs, timeout)
+        values = collect(procs, conns, logs, timeout)
         _let_finish(procs)  # they have sent their values and are exiting: keep their last words
         return values
     except LaunchError as exc:
         quoted = exc.rank if exc.quoted_output else None
         raise
     finally:
-        _stop(procs)
-        for c in conns:
-            c.close()
-        try:
-            launch_output.show(logs, output, skip=quoted)
-        finally:
-            for path in (p for pair in logs for p in pair):
-                try:
-                    os.remove(path)
-                except OSError:
-                    pass
-        try:
-            os.rmdir(logdir)
-        except OSError:
-            pass
+        with _interrupts_held():
+            _stop(procs)
+            for c in conns:
+                c.close()
+            for p in procs:
+                launch_startup.take(p.pid)   # a start-up traceback nobody quoted: remove its file
+            try:
+                launch_output.show(logs, output, skip=quoted)
+            finally:
+                for path in (p for pair in logs for p in pair):
+                    try:
+                        os.remove(path)
+                    except OSError:
+                        pass
+            try:
+                os.rmdir(logdir)
+            except OSError:
+                pass
 
 
 def _let_finish(procs, grace: float = 2.0) -> None:
@@ -364,84 +346,21 @@ def _end_on_signals() -> None:
                 signal.signal(sig, stop)
 
 
-def _message(conn):
-    """A finished rank's (status, value), or None if its pipe holds no message (poll() is also
-    true at end of file)."""
-    if not conn.poll():
-        return None
+@contextlib.contextmanager
+def _interrupts_held():
+    """Stopping the ranks and removing their files takes a moment (up to a few seconds): a
+    second Ctrl-C, or a SIGTERM, arriving then is held until the clean-up is done, so that it
+    cannot leave processes or files behind. It then takes effect as usual."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    saved = {sig: signal.signal(sig, lambda signum, frame: held.append(signum)) for sig in signals}
     try:
-        return pickle.loads(conn.recv_bytes())
-    except EOFError:
-        return None
-
-
-def _raise_root_cause(procs, conns, logs, others, grace: float, results: dict) -> None:
-    """A rank's error may only be the echo of another rank's death (its peer closed the
-    connection). Look briefly for a rank that died without a word, and blame that one. A rank
-    that returned its value meanwhile goes into `results` (it finished early: not a crash)."""
-    deadline = time.monotonic() + grace
-    others = set(others)
-    while others:
-        for q in sorted(others):
-            if not conns[q].poll():      # nothing sent yet, and its pipe is still open
-                continue
-            others.discard(q)
-            msg = _message(conns[q])
-            if msg is None:              # end of file without a message: it died silently
-                procs[q].join(2.0)
-                raise _with_output(f"launch: rank {q} {_describe_exit(procs[q].exitcode)} before "
-                                   "returning a result.", q, logs)
-            if msg[0] == "ok":           # it returned its value: it finished early, no crash
-                results[q] = msg[1]
-        if time.monotonic() >= deadline:
-            return
-        time.sleep(0.02)
-
-
-def _collect(procs, conns, logs, timeout):
-    """Wait for every rank's value; raise at the first failure."""
-    results: dict[int, object] = {}
-    pending = set(range(len(procs)))
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while pending:
-        remaining = None if deadline is None else deadline - time.monotonic()
-        if remaining is not None and remaining <= 0:
-            late = sorted(pending)
-            raise _with_output(
-                f"launch: rank(s) {late} did not finish within the timeout of {timeout:g} s and "
-                "were stopped. A rank waiting in a collective that another rank never called "
-                "looks like this; so does a run that simply needs a longer timeout.", late[0], logs)
-        watch = {}
-        for r in pending:
-            watch[conns[r]] = r
-            watch[procs[r].sentinel] = r
-        for ready in wait(list(watch), timeout=remaining):
-            r = watch[ready]
-            if r not in pending:
-                continue
-            conn = conns[r]
-            if ready is conn or conn.poll():
-                try:
-                    status, value = pickle.loads(conn.recv_bytes())
-                except EOFError:
-                    procs[r].join(2.0)
-                    raise _with_output(f"launch: rank {r} {_describe_exit(procs[r].exitcode)} "
-                                       "before returning a result.", r, logs) from None
-                if status == "error":
-                    # an error that reports a vanished peer is worth waiting a little longer on
-                    echo = any(w in value for w in ("closed by peer", "remote worker", "Connection reset"))
-                    _raise_root_cause(procs, conns, logs, pending - {r}, 3.0 if echo else 0.3, results)
-                    if echo and results:
-                        # nobody crashed: a rank that returned left the others in a collective
-                        raise LaunchError(
-                            f"launch: rank(s) {sorted(results)} finished and returned while rank {r} was "
-                            "still in a collective with them: the ranks ran different numbers of steps "
-                            f"or collectives (no rank crashed). Rank {r}'s error:\n{value}", r)
-                    raise LaunchError(f"launch: rank {r} raised an exception:\n{value}", r)
-                results[r] = value
-                pending.discard(r)
-            else:  # the process ended and sent nothing
-                procs[r].join(2.0)
-                raise _with_output(f"launch: rank {r} {_describe_exit(procs[r].exitcode)} "
-                                   "before returning a result.", r, logs)
-    return [results[r] for r in range(len(procs))]
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        if held:
+            signal.raise_signal(held[0])     # now, with the handler it had before

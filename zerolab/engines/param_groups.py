@@ -24,8 +24,6 @@ group onto the tensors the engine really updates, keeping each group's hyperpara
 
 from __future__ import annotations
 
-import torch
-
 
 def build(factory, model, precision: str, flat_engine: str | None = None):
     """(optimizer, group_of): factory(the model's trainable parameters), checked.
