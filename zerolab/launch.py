@@ -137,7 +137,6 @@ def _choose_backend(world_size: int, backend: str | None) -> str:
     return "gloo"
 
 
-
 _said: set[str] = set()
 
 
@@ -230,6 +229,11 @@ def _run_in_place(fn, args, world_size_, collective_timeout=300.0):
     if world_size_ != env_world and not os.environ.get("ZEROLAB_WORKER"):
         _say_once(f"zerolab.launch: running under torchrun with WORLD_SIZE={env_world}; "
                   f"the world_size={world_size_} argument is ignored.")
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    if os.environ.get("RANK") == "0" and not master.startswith("127.") and master != "localhost":
+        _say_once(f"zerolab.launch: torchrun's rendezvous store on {master} is unauthenticated: "
+                  "anyone who can reach it can join or disturb the job. Run multi-node jobs on a "
+                  "trusted network only.")
     if not dist.is_initialized():
         local = int(os.environ.get("LOCAL_RANK", 0))
         use_nccl = torch.cuda.is_available() and local < torch.cuda.device_count()

@@ -425,7 +425,11 @@ def main(args: argparse.Namespace) -> int:
     from .launch import LaunchError
     try:
         results = run(cfg, show_progress=not args.no_progress)
-    except LaunchError as exc:
+    except Exception as exc:   # noqa: BLE001 - reported below, with where to resume from
+        if not isinstance(exc, LaunchError):
+            if "RANK" not in os.environ:
+                raise               # a bug of this process, not a rank's failure
+            exc = f"rank {rank()}: {type(exc).__name__}: {exc}"   # under torchrun: this rank's own
         print(f"zerolab train: error: {exc}", file=sys.stderr)
         if cfg.save_dir and os.path.exists(os.path.join(cfg.save_dir, "metadata.json")):
             print(f"zerolab train: the last checkpoint is in {cfg.save_dir}; continue with "
