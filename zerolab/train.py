@@ -107,14 +107,15 @@ class TrainConfig:
         return self
 
 
-FAULTS = ("raise", "exit", "kill", "hang", "nan")
+FAULTS = ("raise", "exit", "kill", "hang", "stop", "nan")
 
 
 def parse_fault(spec: str, world_size: int) -> tuple:
     """'kill@3:1' -> ("kill", 3, 1, None): at step 3, rank 1 kills itself. RANK defaults to 0.
 
     raise: an exception; exit: os._exit(3); kill: SIGKILL to itself; hang: sleeps an hour
-    (the collective timeout names it); nan@STEP:RANK:MODULE: that module's output becomes
+    (the collective timeout names it); stop: SIGSTOP to itself (frozen: only SIGKILL or SIGCONT
+    reach it, as a machine that stopped answering); nan@STEP:RANK:MODULE: that module's output becomes
     NaN from that step on (MODULE defaults to the first transformer block's MLP).
     """
     try:
@@ -220,6 +221,8 @@ def _inject(fault, model):
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "hang":
         time.sleep(3600)
+    if kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
     if kind == "nan":
         target = dict(model.named_modules()).get(module or "blocks.0.mlp")
         if target is None:
