@@ -147,8 +147,9 @@ def bottleneck_link(n: int, cluster: Cluster) -> Link:
     """The link a ring of n GPUs is limited by: NVLink within one node, the network beyond.
 
     A flat ring over several nodes goes as fast as its slowest hop, the one between nodes.
-    (NCCL runs one ring per NIC in parallel, so each GPU's share of the network is its own NIC:
-    the per-rank inter-node bandwidth is one NIC's.)
+    (NCCL runs several rings at once and spreads their node-crossing hops over all of a node's
+    network cards, so each GPU's share of the network is about one card: the per-rank
+    inter-node bandwidth is one NIC's.)
     """
     return cluster.intra if n <= cluster.gpus_per_node else cluster.inter
 
