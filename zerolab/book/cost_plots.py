@@ -43,7 +43,7 @@ def collective_times_figure(cluster: cm.Cluster = cm.H100_CLUSTER, intra_ns=(2, 
                             style, color=color)
         bottom.axhline(link.bandwidth_Bps / 1e9, color="black", linewidth=0.8, linestyle=":")
         bottom.text(sizes[0], link.bandwidth_Bps / 1e9 * 1.08, "link bandwidth", fontsize=8)
-        top.set_title(f"{link.name}: alpha {link.alpha_s * 1e6:g} us, "
+        top.set_title(f"{link.name}: alpha {link.alpha_s * 1e6:g} µs, "
                       f"{link.bandwidth_Bps / 1e9:g} GB/s per direction", fontsize=9)
         top.set_yscale("log")
         top.set_ylabel("time (s)")
