@@ -91,6 +91,26 @@ def ring_bytes_measured(numel: int):
     return out
 
 
+def all_reduce_times(sizes_numel, repeats: int = 10, warmup: int = 2):
+    """Seconds of each of `repeats` fp32 all-reduces per size on this rank (after `warmup`).
+
+    A barrier before each call lines the ranks up, so a repeat times the collective, not the
+    wait for a late peer. The caller shows the spread: on a shared CPU it is wide.
+    """
+    out = []
+    for numel in sizes_numel:
+        x = torch.ones(int(numel))
+        times = []
+        for i in range(warmup + repeats):
+            dist.barrier()
+            t = time.perf_counter()
+            dist.all_reduce(x)
+            if i >= warmup:
+                times.append(time.perf_counter() - t)
+        out.append(times)
+    return out
+
+
 # ------------------------------------------------------------------ chapter 5
 
 
@@ -110,7 +130,7 @@ def _engine(mode, model, bucket_mb, precision="fp32"):
 
 def timeline(mode: str, size: str = "small", batch: int = 4, bucket_mb: float = 1.0,
              warmup: int = 2, steps: int = 3):
-    """Run a few steps; return the median step time and the last step's timeline (seconds)."""
+    """Run a few steps; return every step's time, their median, and the last step's timeline (seconds)."""
     r, n = dist.get_rank(), dist.get_world_size()
     model, data = _gpt(size)
     eng = _engine(mode, model, bucket_mb)
@@ -132,13 +152,13 @@ def timeline(mode: str, size: str = "small", batch: int = 4, bucket_mb: float = 
     compute = [(t0, t1, "forward"), (lb["start"], lb["compute_end"], "backward"), (t2, t3, "step")]
     comm = [(c.start, c.end, c.tag) for c in eng.comm.records if c.tag.startswith(("bucket", "grad"))]
     from .timeline import overlap_fraction
-    return {"step_s": statistics.median(times), "compute": compute, "comm": comm,
+    return {"step_s": statistics.median(times), "step_times": times, "compute": compute, "comm": comm,
             "calls": len(comm), "overlap": overlap_fraction(comm, lb["compute_end"]),
             "wait_after_backward_s": lb["end"] - lb["compute_end"]}
 
 
 def bucket_sweep(sizes_mb, size: str = "small", batch: int = 4, steps: int = 3):
-    """Median step time of the overlapped DDP for each bucket size (one engine per size)."""
+    """Step times of the overlapped DDP for each bucket size (one engine per size), and their median."""
     r, n = dist.get_rank(), dist.get_world_size()
     out = []
     for mb in sizes_mb:
@@ -154,7 +174,8 @@ def bucket_sweep(sizes_mb, size: str = "small", batch: int = 4, steps: int = 3):
             eng.zero_grad()
             if i:   # the first step warms up
                 times.append(time.perf_counter() - t)
-        out.append({"bucket_mb": mb, "buckets": len(eng.buckets.buckets), "step_s": statistics.median(times)})
+        out.append({"bucket_mb": mb, "buckets": len(eng.buckets.buckets), "step_s": statistics.median(times),
+                    "step_times": times})
     return out
 
 
@@ -231,8 +252,9 @@ def bytes_and_memory(with_memory: bool = True):
 
 def optimizer_step_times(size: str = "small", bucket_mb: float = 1.0, steps: int = 30) -> dict:
     """AdamW steps on a GPT's parameters one by one, and on the same numbers laid out in flat
-    buckets as zl.DDP lays them out. Median ms per step of each, and the largest difference
-    between the two results after `steps` steps (the same random gradients for both)."""
+    buckets as zl.DDP lays them out. Every step's ms for each (the two alternate, so a busy
+    moment of the machine hits both), their medians, and the largest difference between the two
+    results after `steps` steps (the same random gradients for both)."""
     from ..buckets import FlatBuckets, bucket_order
     torch.manual_seed(0)
     separate = GPT(gpt_config(size))
@@ -260,4 +282,5 @@ def optimizer_step_times(size: str = "small", bucket_mb: float = 1.0, steps: int
         times["flat"].append(time.perf_counter() - t)
     diff = max((p - q).abs().max().item() for p, q in zip(params, flat_model.parameters()))
     return {"tensors": len(params), "buckets": len(flats), "max_abs_diff": diff,
-            **{k: statistics.median(v) * 1e3 for k, v in times.items()}}
+            **{k: statistics.median(v) * 1e3 for k, v in times.items()},
+            "ms": {k: [t * 1e3 for t in v] for k, v in times.items()}}
