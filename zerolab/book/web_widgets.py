@@ -234,8 +234,9 @@ _CSS = """<style>
 .zl-widget { border: 1px solid #c8c8c8; border-radius: 6px; padding: 0.6em 0.9em; margin: 0.6em 0; }
 .zl-widget label { display: inline-flex; align-items: center; gap: 0.4em; margin: 0.2em 1.2em 0.2em 0; }
 .zl-widget output { font-family: monospace; min-width: 3.5em; }
-.zl-widget pre.zl-result { margin: 0.6em 0 0; padding: 0.5em; white-space: pre; overflow-x: auto; }
-.zl-widget table { border-collapse: collapse; margin-top: 0.6em; }
+.zl-widget pre.zl-result { margin: 0.6em 0 0; padding: 0.5em; white-space: pre-wrap; font-size: 0.85em; }
+.zl-widget table { border-collapse: collapse; margin-top: 0.6em; font-size: 0.9em; }
+.zl-widget td:first-child { white-space: nowrap; }
 .zl-widget th, .zl-widget td { padding: 0.15em 0.7em; border-bottom: 1px solid #ddd; text-align: right; }
 .zl-widget th:first-child, .zl-widget td:first-child, .zl-widget td:last-child { text-align: left; }
 .zl-widget .zl-bits { display: flex; flex-wrap: wrap; gap: 2px; margin: 0.5em 0; }
