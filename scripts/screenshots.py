@@ -10,7 +10,7 @@ NAME-1.png, NAME-2.png, ... (the same page cut into screen-sized parts, easier t
 
 Chromium takes a screenshot of its window only, so each page is loaded twice: once to measure its
 height (a small script, added to the served copy only, writes it into the title), once in a window
-that tall. Pages taller than Chromium's limit are shot in parts by scrolling and stitched together.
+that tall. A page taller than MAX_SHOT pixels is cut there, and the script says so.
 """
 
 from __future__ import annotations
@@ -30,31 +30,27 @@ from pathlib import Path
 from PIL import Image
 
 WIDTH = 1280
-MAX_SHOT = 15000        # pixels: taller windows come back blank or cut in headless Chromium
+MAX_SHOT = 32000        # pixels: the tallest window checked to come back whole from headless Chromium
 PART = 2400             # height of each readable part
 BUDGET_MS = "15000"     # virtual time Chromium gives a page to load fonts and run MathJax
 
-# Added before </body> of the served copy only. Waits for MathJax, then says how tall the page is
-# (?zl-measure) or scrolls to a given offset (?zl-scroll=Y).
+# Added before </body> of the copy served for ?zl-measure only: waits for MathJax to typeset the
+# page (which changes its height), then writes the height into the title.
 PROBE = """<script>addEventListener("load", () => {
-  const q = new URLSearchParams(location.search);
-  const act = () => {
-    if (q.has("zl-measure")) document.title = "zl-height:" + document.documentElement.scrollHeight;
-    if (q.has("zl-scroll")) window.scrollTo(0, Number(q.get("zl-scroll")));
-  };
+  const act = () => { document.title = "zl-height:" + document.documentElement.scrollHeight; };
   const mj = window.MathJax && MathJax.startup && MathJax.startup.promise;
   (mj ? mj.then(() => setTimeout(act, 300)) : setTimeout(act, 300));
 });</script>"""
 
 
 class Handler(http.server.SimpleHTTPRequestHandler):
-    """Serves the site; HTML asked for with ?zl-... gets the probe script."""
+    """Serves the site; a page asked for with ?zl-measure gets the probe script."""
 
     def log_message(self, *args):
         pass
 
     def send_head(self):
-        if "?zl-" not in self.path or not self.path.split("?")[0].endswith(".html"):
+        if "?zl-measure" not in self.path or not self.path.split("?")[0].endswith(".html"):
             return super().send_head()
         page = Path(self.translate_path(self.path.split("?")[0]))
         body = page.read_bytes().replace(b"</body>", PROBE.encode() + b"</body>", 1)
@@ -89,30 +85,17 @@ def page_height(url: str) -> int:
     return int(m.group(1))
 
 
-def shoot(url: str, height: int, png: Path, scroll: int | None = None):
-    query = "" if scroll is None else f"?zl-scroll={scroll}"
-    run_chromium([f"--window-size={WIDTH},{height}", f"--screenshot={png}", url + query])
-    if not png.exists():
-        raise RuntimeError(f"Chromium wrote no screenshot of {url}")
-
-
 def photograph(url: str, stem: Path) -> tuple[int, int]:
     """Write stem.png (whole page) and stem-1.png, stem-2.png, ... (parts); return (height, parts)."""
     height = page_height(url)
     whole = stem.with_suffix(".png")
-    if height <= MAX_SHOT:
-        shoot(url, height, whole)
-        image = Image.open(whole)
-    else:   # scroll window by window and stitch (the last window scrolls only to the bottom)
-        image = Image.new("RGB", (WIDTH, height), "white")
-        for top in range(0, height, MAX_SHOT):
-            part = stem.parent / f"{stem.name}-scroll.png"
-            shoot(url, MAX_SHOT, part, scroll=top)
-            shot = Image.open(part)
-            offset = min(top, height - MAX_SHOT)      # where the browser really scrolled to
-            image.paste(shot.crop((0, top - offset, WIDTH, shot.height)), (0, top))
-            part.unlink()
-        image.save(whole)
+    if height > MAX_SHOT:
+        print(f"{url}: {height} px tall, shot down to {MAX_SHOT} px only")
+    whole.unlink(missing_ok=True)
+    run_chromium([f"--window-size={WIDTH},{min(height, MAX_SHOT)}", f"--screenshot={whole}", url])
+    if not whole.exists():
+        raise RuntimeError(f"Chromium wrote no screenshot of {url}")
+    image = Image.open(whole)
     parts = 0
     for parts, top in enumerate(range(0, image.height, PART), start=1):
         image.crop((0, top, image.width, min(top + PART, image.height))).save(stem.parent / f"{stem.name}-{parts}.png")
