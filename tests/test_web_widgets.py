@@ -3,7 +3,8 @@
 zerolab/book/web_widgets.py writes each formula a second time in JavaScript (FORMULAS_JS) so that
 the built book computes without a kernel. These tests evaluate that JavaScript with node and compare
 every value, and every line the reader sees, with what zerolab's Python functions give: a slip in
-either implementation fails them. Without node they are skipped, saying why.
+either implementation fails them. Without node those are skipped, saying why; the checks of the
+HTML itself run anyway.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from zerolab import numerics as N
 from zerolab.book import web_widgets as W
 
 NODE = shutil.which("node")
-pytestmark = pytest.mark.skipif(NODE is None, reason="node (Node.js) is not installed, so the calculators' "
+needs_node = pytest.mark.skipif(NODE is None, reason="node (Node.js) is not installed, so the calculators' "
                                                      "JavaScript cannot be evaluated here")
 
 # Calls every function named in the cases file on each argument list, and prints the results as JSON.
@@ -55,6 +56,7 @@ def run_js(tmp_path, cases: dict) -> dict:
 # ------------------------------------------------------------------ numbers printed as Python prints them
 
 
+@needs_node
 def test_number_formatting_matches_python(tmp_path):
     rng = random.Random(17)
     # exact ties (half to even in Python), values that round up to the next power of ten, signs, zeros,
@@ -85,6 +87,7 @@ def python_decode(bits: torch.Tensor, fmt) -> list:
     return [[repr(v), k] for v, k in zip(values, kinds)]
 
 
+@needs_node
 def test_bit_patterns_match_numerics(tmp_path):
     patterns = {}
     for name in ("fp16", "bf16", "e4m3", "e5m2"):      # every pattern of the 8- and 16-bit formats
@@ -106,6 +109,7 @@ def test_bit_patterns_match_numerics(tmp_path):
 SLIDER_BILLIONS = sorted({float(f"{10 ** (k / 20 - 1):.3g}") for k in range(101)} | {7.5, 1.5, 175.0})
 
 
+@needs_node
 def test_memory_formulas_match_zerolab(tmp_path):
     states = [[b * 1e9, n_d, s] for b in SLIDER_BILLIONS for n_d in W.ND_OPTIONS for s in range(4)]
     most = [[gb * 1e9, n_d, s, 12, n_m] for gb in (8, 16, 32, 80, 192) for n_d in W.ND_OPTIONS
@@ -120,6 +124,7 @@ def test_memory_formulas_match_zerolab(tmp_path):
     assert table1 == [120.0, 31.41, 16.64, 1.88]
 
 
+@needs_node
 def test_memory_calculator_prints_what_chapter_3_printed(tmp_path):
     grid = [[b, n_d, s, gb] for b in SLIDER_BILLIONS for n_d in W.ND_OPTIONS for s in range(4)
             for gb in (8, 16, 32, 40, 80, 192)]
@@ -134,6 +139,7 @@ PLAN_GRID = list(itertools.product((0.1, 1.5, 7.5, 13.3, 175.0, 1000.0), (8, 32,
 ARGS = ("psi_billions", "device_gb", "n_d", "n_m", "batch", "seq", "layers", "hidden", "ckpt")
 
 
+@needs_node
 def test_activation_bytes_match_calculator(tmp_path):
     cases = [[h, b, s, L, n_m, ck, ck and n_m > 1] for _, _, _, n_m, b, s, L, h, ck in PLAN_GRID[::7]]
     js = run_js(tmp_path, {"zlActivationBytes": cases})["zlActivationBytes"]
@@ -141,6 +147,7 @@ def test_activation_bytes_match_calculator(tmp_path):
                                 for h, b, s, L, n_m, ck, pa in cases], rel=1e-12)
 
 
+@needs_node
 def test_plan_rows_match_calculator(tmp_path):
     cases = [[psi * 1e9, gb, n_d, n_m, act] for psi in (0.1, 7.5, 1000.0) for gb in (8, 32, 192)
              for n_d in W.ND_OPTIONS for n_m in W.NM_OPTIONS for act in (0.0, 2.15, 60.4)]
@@ -153,6 +160,7 @@ def test_plan_rows_match_calculator(tmp_path):
         assert [r["fits"] for r in rows] == [r["fits"] for r in py]
 
 
+@needs_node
 def test_planner_table_matches_format_plan(tmp_path):
     cases = [[dict(zip(ARGS, a))] for a in PLAN_GRID]
     assert run_js(tmp_path, {"zlPlanCells": cases})["zlPlanCells"] == [W._plan_cells(*a) for a in PLAN_GRID]
@@ -181,6 +189,7 @@ def test_default_answer_is_in_the_html_before_any_script_runs():
     assert "<code>fp16</code> bits <code>0011110000000000</code> = <b>1.0</b> (normal)" in W.bit_toggler().data
 
 
+@needs_node
 def test_scripts_are_valid_javascript(tmp_path):
     for name, obj in widgets().items():
         (script,) = re.findall(r"<script>(.*?)</script>", obj.data, re.S)
