@@ -166,15 +166,19 @@ function zlPlanCells(a) {                   // the planner's table, as calculato
 
 _SETUP_JS = r"""
 // Sliders show the value they stand for; every input change recomputes the result.
+function zlLogValue(slider) { return Number(Math.pow(10, Number(slider.value)).toPrecision(3)); }  // 3 digits
 function zlReadout(input) {
   const kind = input.dataset.scale;
-  if (kind === "log") return Number(Math.pow(10, Number(input.value)).toPrecision(3));  // 3 digits
+  if (kind === "log") {                     // the number box beside it holds the value (typed or slid)
+    const typed = Number(input.parentElement.querySelector("input[data-typed]").value);
+    return typed > 0 ? typed : zlLogValue(input);
+  }
   if (kind === "options") return JSON.parse(input.dataset.options)[Number(input.value)];
   return input.type === "checkbox" ? input.checked : Number(input.value);
 }
 function zlWire(root, update) {
-  const values = {};
   const refresh = () => {
+    const values = {};
     root.querySelectorAll("[data-arg]").forEach((input) => {
       values[input.dataset.arg] = zlReadout(input);
       const out = input.parentElement.querySelector("output");
@@ -182,7 +186,13 @@ function zlWire(root, update) {
     });
     update(values);
   };
-  root.querySelectorAll("[data-arg]").forEach((input) => input.addEventListener("input", refresh));
+  // a log slider and its number box move together: slide to explore, type for an exact value
+  root.querySelectorAll("input[data-typed]").forEach((box) => {
+    const slider = box.parentElement.querySelector("[data-scale=log]");
+    slider.addEventListener("input", () => { box.value = zlLogValue(slider); });
+    box.addEventListener("input", () => { if (Number(box.value) > 0) slider.value = Math.log10(Number(box.value)); });
+  });
+  root.querySelectorAll("[data-arg], input[data-typed]").forEach((input) => input.addEventListener("input", refresh));
   refresh();
 }
 const ZL_SETUP = {
@@ -263,9 +273,11 @@ def _slider(arg: str, text: str, lo, hi, step, value) -> str:
 
 
 def _log_slider(arg: str, text: str, value: float) -> str:
-    # ipywidgets' FloatLogSlider(min=-1, max=4): 0.1 to 10,000; the value is rounded to 3 digits
+    # ipywidgets' FloatLogSlider(min=-1, max=4): 0.1 to 10,000. Sliding gives 3-digit values; the
+    # number box beside it takes an exact one (an exercise may ask for 30B).
     return (f'<label>{text} <input type="range" data-arg="{arg}" data-scale="log" min="-1" max="4" '
-            f'step="any" value="{math.log10(value)!r}"><output>{value:g}</output></label>')
+            f'step="any" value="{math.log10(value)!r}"><input type="number" data-typed min="0.1" max="10000" '
+            f'step="any" value="{value:g}" style="width: 6em"></label>')
 
 
 def _options_slider(arg: str, text: str, options, value) -> str:
