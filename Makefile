@@ -3,6 +3,9 @@
 #   make book   set up, then execute every chapter and build the HTML book into _build/html
 #   make test-kernels   make test once under each CPU kernel set torch can use here (AVX2, AVX-512,
 #               the plain default, Arm's SVE): one line each; CI runs make test only
+#   make site   make book, then check that no page loads anything from another host: _build/html is
+#               then exactly what .github/workflows/book.yml publishes on GitHub Pages
+#   make shots  full-page screenshots of the built book with headless Chromium, into _build/screenshots
 #
 # Set-up makes a virtual environment in .venv. If this machine's python already has a torch
 # (a GPU box, say), the venv sees it; otherwise it installs the CPU build torch==2.13.0 first,
@@ -17,7 +20,7 @@ CPU_TORCH := torch==2.13.0
 # threads added it up (and on the CPU's kernels: no compared output relies on them).
 export OMP_NUM_THREADS := 1
 
-.PHONY: setup test test-kernels book clean
+.PHONY: setup test test-kernels book site shots clean
 
 setup: $(STAMP)
 
@@ -51,6 +54,14 @@ book: setup
 	 fi; echo $$h > _build/.zerolab-sources
 	$(VENV)/bin/jupyter-book build . -W --keep-going
 	@echo "book: open _build/html/index.html"
+
+# The published site is the book as built above, checked to load no script, style sheet or font
+# from another host (MathJax included): it must work with no network.
+site: book
+	$(PY) scripts/check_offline.py _build/html
+
+shots: setup
+	$(PY) scripts/screenshots.py --site _build/html --out _build/screenshots
 
 clean:
 	rm -rf _build .venv
