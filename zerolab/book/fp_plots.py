@@ -133,12 +133,13 @@ def plot_gradient_underflow(grad_abs, scales=(1.0, 2.0**8, 2.0**16)):
     bins = np.arange(-45, 20, 1.0)
     for s, alpha in zip(scales, (0.8, 0.5, 0.35)):
         ax.hist(np.log2(g * s), bins=bins, alpha=alpha, label=f"gradients x {s:g}")
-    for x, name in ((math.log2(N.smallest_subnormal("fp16")) - 1, "rounds to 0 at or below (2^-25)"),
-                    (math.log2(N.smallest_subnormal("fp16")), "fp16 smallest subnormal"),
-                    (math.log2(N.smallest_normal("fp16")), "fp16 smallest normal"),
-                    (math.log2(N.largest("fp16")), "fp16 largest")):
+    for x, name, side in ((math.log2(N.smallest_subnormal("fp16")) - 1, "rounds to 0 at or below", -1),
+                          (math.log2(N.smallest_subnormal("fp16")), "fp16 smallest subnormal", 1),
+                          (math.log2(N.smallest_normal("fp16")), "fp16 smallest normal", 1),
+                          (math.log2(N.largest("fp16")), "fp16 largest", 1)):
         ax.axvline(x, color="k", ls="--", lw=0.8)
-        ax.text(x + 0.3, ax.get_ylim()[1] * 0.9, name, rotation=90, va="top", fontsize=7)
+        ax.text(x + 0.3 * side, ax.get_ylim()[1] * 0.9, name, rotation=90, va="top",
+                ha="left" if side > 0 else "right", fontsize=7)
     ax.set_xlabel("log2 |gradient|")
     ax.set_ylabel("elements")
     ax.legend(fontsize=8, loc="upper left")
@@ -197,7 +198,7 @@ def plot_four_ways(runs: dict, smooth_k: int = 10):
                 label=f"{kind}: final {np.mean(r['loss'][-smooth_k:]):.3f}")
     ax.set_xlabel("step")
     ax.set_ylabel(f"loss ({smooth_k}-step mean)")
-    ax.set_title("Same seed, same batches, four precisions", fontsize=10)
+    ax.set_title("Same initial weights, same batches, four precisions", fontsize=10)
     ax.legend(fontsize=8)
     r = runs["fp16"]
     bx.semilogy(r["scale"], color=COLORS["fp16"], drawstyle="steps-post", label="loss scale")
