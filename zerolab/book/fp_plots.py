@@ -133,11 +133,13 @@ def plot_gradient_underflow(grad_abs, scales=(1.0, 2.0**8, 2.0**16)):
     bins = np.arange(-45, 20, 1.0)
     for s, alpha in zip(scales, (0.8, 0.5, 0.35)):
         ax.hist(np.log2(g * s), bins=bins, alpha=alpha, label=f"gradients x {s:g}")
-    for x, name in ((math.log2(N.smallest_subnormal("fp16")), "fp16 smallest subnormal"),
-                    (math.log2(N.smallest_normal("fp16")), "fp16 smallest normal"),
-                    (math.log2(N.largest("fp16")), "fp16 largest")):
+    for x, name, side in ((math.log2(N.smallest_subnormal("fp16")) - 1, "rounds to 0 at or below", -1),
+                          (math.log2(N.smallest_subnormal("fp16")), "fp16 smallest subnormal", 1),
+                          (math.log2(N.smallest_normal("fp16")), "fp16 smallest normal", 1),
+                          (math.log2(N.largest("fp16")), "fp16 largest", 1)):
         ax.axvline(x, color="k", ls="--", lw=0.8)
-        ax.text(x + 0.3, ax.get_ylim()[1] * 0.9, name, rotation=90, va="top", fontsize=7)
+        ax.text(x + 0.3 * side, ax.get_ylim()[1] * 0.9, name, rotation=90, va="top",
+                ha="left" if side > 0 else "right", fontsize=7)
     ax.set_xlabel("log2 |gradient|")
     ax.set_ylabel("elements")
     ax.legend(fontsize=8, loc="upper left")
@@ -196,7 +198,7 @@ def plot_four_ways(runs: dict, smooth_k: int = 10):
                 label=f"{kind}: final {np.mean(r['loss'][-smooth_k:]):.3f}")
     ax.set_xlabel("step")
     ax.set_ylabel(f"loss ({smooth_k}-step mean)")
-    ax.set_title("Same seed, same batches, four precisions", fontsize=10)
+    ax.set_title("Same initial weights, same batches, four precisions", fontsize=10)
     ax.legend(fontsize=8)
     r = runs["fp16"]
     bx.semilogy(r["scale"], color=COLORS["fp16"], drawstyle="steps-post", label="loss scale")
@@ -229,5 +231,49 @@ def plot_lost_updates(lrs, lost):
     ax.set_ylabel("% of updates lost")
     ax.set_title("Naive fp16: updates that rounding erased", fontsize=10)
     ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_small_lr(runs: dict, smooth_k: int = 20):
+    """Left: how far each run's loss has come down since its first steps; right: the share of
+    the weights the forward pass uses that have moved at all since step 0."""
+    from .mixed_precision_demo import smooth
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4))
+    styles = {"fp32": "-", "naive fp16": "-", "fp16": "--"}
+    labels = {"fp32": "fp32", "naive fp16": "naive fp16 (no master copy)", "fp16": "fp16 + fp32 master weights"}
+    for kind, r in runs.items():
+        curve = smooth(r["loss"], smooth_k)
+        start = curve[smooth_k - 1]
+        ax.plot(range(smooth_k - 1, len(curve)), [start - c for c in curve[smooth_k - 1:]], styles[kind],
+                color=COLORS[kind], lw=1.8, label=labels[kind])
+        bx.plot([100 * m for m in r["moved"]], styles[kind], color=COLORS[kind], lw=1.8, label=labels[kind])
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"loss decrease ({smooth_k}-step mean)")
+    ax.set_title("Progress since the first steps", fontsize=10)
+    ax.legend(fontsize=8)
+    bx.set_xlabel("step")
+    bx.set_ylabel("% of weights changed since step 0")
+    bx.set_ylim(0, 105)
+    bx.set_title("Weights the forward pass sees that have moved", fontsize=10)
+    bx.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def plot_scaler_rules(pattern, trajectories: dict):
+    """log2 of the scale after each step, one line per scaler, overflowing steps marked."""
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    styles = ["-", "--", "-.", ":"]
+    for (name, scales), style in zip(trajectories.items(), styles):
+        ax.plot([math.log2(s) for s in scales], style, drawstyle="steps-post", lw=1.8, label=name)
+    top = max(math.log2(s) for scales in trajectories.values() for s in scales)
+    bad = [i for i, o in enumerate(pattern) if o]
+    ax.plot(bad, [top + 0.5] * len(bad), "kx", label="overflowing step")
+    ax.set_xlabel("step")
+    ax.set_ylabel("log2(scale) after the step")
+    ax.legend(fontsize=8, loc="lower left")
+    ax.set_title("One pattern of overflows, four scaling rules", fontsize=10)
     fig.tight_layout()
     return fig

@@ -1,9 +1,10 @@
 """The runs chapter 2 shows: one GPT trained four ways, and each failure mode reproduced.
 
     four_ways(steps=120)    fp32 | naive fp16 (no master copy) | fp16 + master + loss scaling | bf16 + master
+    small_lr_runs(lr, steps)  fp32 | naive fp16 | fp16 + master at a learning rate where fp16 loses updates
 
-Every run starts from the same seed and sees the same batches, so the curves differ only by
-arithmetic. The engine is zerolab.engines.single.SingleProcess except for the naive run, which is
+Every run starts from the same initial weights and sees the same batches, so the curves differ
+only by arithmetic. The engine is zerolab.engines.single.SingleProcess except for the naive run, which is
 written out here because no engine should ever do it.
 """
 
@@ -75,11 +76,17 @@ def make_engine(kind: str, model, lr: float, scaler: LossScaler | None = None):
 
 
 def train(kind: str, steps: int, *, size="nano", batch_size=8, lr=1e-3, seed=0,
-          scaler: LossScaler | None = None) -> dict:
-    """Train one way; returns the loss curve, step times, and (fp16) the scale trajectory."""
+          scaler: LossScaler | None = None, track_moved: bool = False) -> dict:
+    """Train one way; returns the loss curve, step times, and (fp16) the scale trajectory.
+
+    track_moved: also record, after every step, the fraction of the weights the forward pass
+    uses (the model's own parameters, 16-bit in every run but fp32) that differ from their
+    initial values: a weight whose updates are all rounded away never moves."""
     engine = make_engine(kind, make_model(seed, size), lr, scaler)
     ds = data.CharDataset(engine.model.cfg.block_size, seed=seed)
-    out = {"kind": kind, "loss": [], "seconds": [], "scale": [], "applied": [], "lost": []}
+    out = {"kind": kind, "loss": [], "seconds": [], "scale": [], "applied": [], "lost": [], "moved": []}
+    start = [p.detach().clone() for p in engine.model.parameters()] if track_moved else None
+    n_weights = sum(p.numel() for p in engine.model.parameters())
     for step in range(steps):
         t0 = time.perf_counter()
         _, loss = models.gpt_loss(engine, ds.batch(step, batch_size))
@@ -93,6 +100,10 @@ def train(kind: str, steps: int, *, size="nano", batch_size=8, lr=1e-3, seed=0,
             out["scale"].append(engine.precision.scale)
         if isinstance(engine, NaiveFP16):
             out["lost"].append(engine.lost)
+        if track_moved:
+            with torch.no_grad():
+                moved = sum(int((p != p0).sum()) for p, p0 in zip(engine.model.parameters(), start))
+            out["moved"].append(moved / n_weights)
     return out
 
 
@@ -104,6 +115,27 @@ def four_ways(steps: int = 120, *, growth_interval: int = 20, **kw) -> dict:
         scaler = LossScaler(growth_interval=growth_interval) if kind == "fp16" else None
         runs[kind] = train(kind, steps, scaler=scaler, **kw)
     return runs
+
+
+def small_lr_runs(lr: float = 3e-6, steps: int = 300, **kw) -> dict:
+    """fp32, naive fp16 and fp16 with master weights at a learning rate small enough that most
+    of naive fp16's updates fall below half the spacing of the weight they update (bf16 would
+    lose even more: its spacing is 8 times fp16's). Tracks the weights that moved."""
+    runs = {}
+    for kind in ("fp32", "naive fp16", "fp16"):
+        scaler = LossScaler(growth_interval=100) if kind == "fp16" else None
+        runs[kind] = train(kind, steps, lr=lr, scaler=scaler, track_moved=True, **kw)
+    return runs
+
+
+def update_threshold_lr(size: str = "nano", seed: int = 0) -> dict:
+    """The median |weight| of a fresh model and the learning rate at which an Adam-sized update
+    (about lr) of that weight is half its fp16 spacing: below it, the median weight stops moving
+    in pure fp16. ulp(w) = 2^(floor(log2 |w|) - 10), so the threshold is ulp(median) / 2."""
+    from .. import numerics
+    w = torch.cat([p.detach().abs().flatten() for p in make_model(seed, size).parameters()])
+    median = w.median().item()
+    return {"median |w|": median, "threshold lr": numerics.ulp(median, "fp16") / 2}
 
 
 def smooth(xs, k: int = 10):
@@ -173,19 +205,31 @@ def scale_collapse_demo(steps: int = 40, min_scale: float = 1.0, hysteresis: int
 
 
 def memory_per_param(precision: str = "fp16", size: str = "nano") -> dict:
-    """Measured bytes per parameter after one real AdamW step (zerolab.memory counts storages)."""
+    """Measured bytes per parameter around a real AdamW step (zerolab.memory counts storages).
+
+    The step measured is the second one: the first also creates Adam's moments, which then
+    live for the rest of training. "held at step start" is what the model states occupy when
+    step() begins, "step increment" the most bytes step() allocates above that at any moment
+    (the short-lived fp32 gradients and the optimizer's temporaries), and "peak during step"
+    their sum: the most the step holds."""
     model = make_model(0, size)
     n = models.num_params(model)
     engine = SingleProcess(model, functools.partial(torch.optim.AdamW, lr=1e-3), precision=precision)
     ds = data.CharDataset(model.cfg.block_size)
-    _, loss = models.gpt_loss(engine, ds.batch(0, 8))
-    engine.backward(loss)
-    engine.step()
-    report = engine.memory_report()  # measured before zero_grad: the gradients still exist
+    for step in range(2):
+        _, loss = models.gpt_loss(engine, ds.batch(step, 8))
+        engine.backward(loss)
+        held = engine.memory_report()["total"]    # after backward: the 16-bit gradients exist
+        engine.step()
+        report = engine.memory_report()  # measured before zero_grad: the gradients still exist
+        if step == 0:
+            engine.zero_grad()
     masters = sum(m.numel() * m.element_size() for m in engine.masters) if precision != "fp32" else 0
     out = {"params": report["params"] / n, "grads": report["grads"] / n,
            "master": masters / n, "moments+counters": (report["optimizer"] - masters) / n,
-           "total": report["total"] / n, "peak during step": report["peak"] / n, "n_params": n}
+           "total": report["total"] / n, "held at step start": held / n,
+           "step increment": report["peak"] / n, "peak during step": (held + report["peak"]) / n,
+           "n_params": n}
     return out
 
 
@@ -209,8 +253,13 @@ def lost_updates(lrs=(1e-3, 3e-4, 1e-4, 3e-5, 1e-5), steps: int = 15) -> list:
 
 def step_time_ratios(runs: dict, skip: int = 5) -> dict:
     """Median step time of each run divided by fp32's (the first `skip` steps are warm-up)."""
-    def median(xs):
-        xs = sorted(xs[skip:])
-        return xs[len(xs) // 2]
-    base = median(runs["fp32"]["seconds"])
-    return {kind: median(r["seconds"]) / base for kind, r in runs.items()}
+    base = step_time_spread(runs["fp32"], skip)["median"]
+    return {kind: step_time_spread(r, skip)["median"] / base for kind, r in runs.items()}
+
+
+def step_time_spread(run: dict, skip: int = 5) -> dict:
+    """Median and quartiles of one run's step times in seconds, after `skip` warm-up steps."""
+    xs = sorted(run["seconds"][skip:])
+    def at(q):
+        return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+    return {"q1": at(0.25), "median": at(0.5), "q3": at(0.75), "n": len(xs)}
