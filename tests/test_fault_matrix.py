@@ -78,22 +78,23 @@ def test_every_fault_is_named_within_the_collective_timeout(kind, phase, who):
         zl.launch(faulty_run, 2, args=(kind, phase, who), collective_timeout=TIMEOUT, output="none")
     took = time.monotonic() - start
     message = str(info.value)
-    if kind in ("raise", "exit", "kill"):
-        # the rank itself is named: its traceback, or how it died
-        assert info.value.rank == who, message[-1500:]
-        words = {"raise": "injected fault", "exit": "exited with code 3", "kill": "SIGKILL"}[kind]
-        assert words in message, message[-1500:]
-    else:
+    named_late = info.value.rank == 1 - who and f"Ranks that did not arrive: rank {who} (" in message
+    if kind in ("hang", "stop"):
         # it is alive and silent: the rank waiting for it names it
-        assert info.value.rank == 1 - who, message[-1500:]
-        assert f"Ranks that did not arrive: rank {who} (" in message, message[-1500:]
+        assert named_late, message[-1500:]
+    else:
+        # the rank itself is named: its traceback, or how it died; on a loaded machine it may not
+        # even reach its fault within the collective timeout, and then the rank waiting for it
+        # names it as late, which is as right
+        words = {"raise": "injected fault", "exit": "exited with code 3", "kill": "SIGKILL"}[kind]
+        assert named_late or (info.value.rank == who and words in message), message[-1500:]
     assert took < BOUND, f"{kind} in {phase} on rank {who}: {took:.1f} s"
 
 
 # ---------------------------------------------------------------- the same faults under torchrun
 
 def _until_named(cmd, words, limit=90.0):
-    """Run cmd in a session of its own until its output holds `words` or it exits; then kill
+    """Run cmd in a session of its own until its output holds one of `words` or it exits; then kill
     whatever is left (a SIGSTOPped rank waits for torchrun's 30 s grace otherwise). Returns the
     seconds it took to say `words` (None if never) and the output."""
     import subprocess
@@ -104,7 +105,7 @@ def _until_named(cmd, words, limit=90.0):
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
     while time.monotonic() - start < limit:
-        if words in "".join(lines):
+        if any(w in "".join(lines) for w in words):
             took = time.monotonic() - start
             break
         if proc.poll() is not None and not reader.is_alive():
@@ -119,10 +120,13 @@ def _until_named(cmd, words, limit=90.0):
     return took, "".join(lines)
 
 
-TORCHRUN_CASES = [("raise", 0, "rank 0: RuntimeError: injected fault: rank 0 raises at step 3"),
-                  ("kill", 1, "Ranks that did not arrive: rank 1"),
-                  ("hang", 0, "Ranks that did not arrive: rank 0"),
-                  ("stop", 0, "Ranks that did not arrive: rank 0")]
+TORCHRUN_CASES = [("raise", 0, ["rank 0: RuntimeError: injected fault: rank 0 raises at step 3"]),
+                  # named by rank 0 (its peer left), or by torchrun's agent if it sees the death
+                  # and stops rank 0 first (its failure summary: rank 1, signal 9)
+                  ("kill", 1, ["Ranks that did not arrive: rank 1",
+                               "rank      : 1 (local_rank: 1)\n  exitcode  : -9"]),
+                  ("hang", 0, ["Ranks that did not arrive: rank 0"]),
+                  ("stop", 0, ["Ranks that did not arrive: rank 0"])]
 
 
 @pytest.mark.parametrize("kind, who, words", TORCHRUN_CASES)
