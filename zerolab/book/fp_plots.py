@@ -47,36 +47,6 @@ def plot_bits(value: float, formats=N.NAMES):
     return fig
 
 
-def bit_toggler(fmt: str = "fp16"):
-    """An ipywidgets bit toggler: click bits, see the value (needs a live kernel)."""
-    import ipywidgets as w
-
-    f = N.get_format(fmt)
-    start = format(N.to_bits(1.0, f), f"0{f.bits}b")
-    buttons = [w.ToggleButton(value=ch == "1", description=ch,
-                              layout=w.Layout(width="32px", padding="0px"),
-                              style={"button_color": FIELD_COLORS["sign" if i == 0 else
-                                                                  "exponent" if i <= f.exponent_bits
-                                                                  else "mantissa"]})
-               for i, ch in enumerate(start)]
-    label = w.HTML()
-
-    def refresh(_=None):
-        bits = 0
-        for bt in buttons:
-            bt.description = "1" if bt.value else "0"
-            bits = (bits << 1) | int(bt.value)
-        b = N.decompose(N.from_bits(bits, f), f) if not math.isnan(N.from_bits(bits, f)) else None
-        value = N.from_bits(bits, f)
-        kind = b.kind if b else "nan"
-        label.value = f"<code>{f.name}</code> bits <code>{bits:0{f.bits}b}</code> = <b>{value!r}</b> ({kind})"
-
-    for bt in buttons:
-        bt.observe(refresh, "value")
-    refresh()
-    return w.VBox([w.HBox(buttons), label])
-
-
 def plot_spacing(formats=N.NAMES, zoom=(1e-9, 1e6)):
     """Spacing (ulp) against magnitude for every format, on one log-log figure (right: zoomed
     to the magnitudes where weights, gradients and the 8- and 16-bit formats live)."""
