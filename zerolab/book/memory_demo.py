@@ -38,6 +38,31 @@ def activation_bytes(size: str, batch_sizes, seed: int = 0) -> list:
     return out
 
 
+def activation_bytes_by_length(size: str, lengths, batch_size: int = 8, kernel: str = "flash",
+                               seed: int = 0) -> list:
+    """Bytes autograd saves for backward at each sequence length, with one attention kernel.
+
+    kernel="flash": PyTorch's fused scaled_dot_product_attention, which keeps one log-sum-exp per
+    row and recomputes the scores in backward; kernel="math": attention written out (scores,
+    softmax, product), which saves the batch x heads x seq x seq softmax output of every layer.
+    The sequences are the first `length` characters of the same batch.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}[kernel]
+    torch.manual_seed(seed)
+    cfg = models.gpt_config(size)
+    model = models.GPT(cfg)
+    params = list(model.parameters())
+    x, y = data.CharDataset(cfg.block_size, seed=seed).batch(0, batch_size)
+    out = []
+    for n in lengths:
+        with sdpa_kernel(backend):
+            _, nbytes = memory.saved_activation_bytes(models.gpt_loss, model, (x[:, :n], y[:, :n]),
+                                                      exclude=params)
+        out.append(nbytes)
+    return out
+
+
 def replicated_step(size: str = "small", batch_size: int = 8, seed: int = 0) -> dict:
     """Plain data parallelism done by hand: every rank keeps every model state.
 
