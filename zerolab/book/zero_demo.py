@@ -1,12 +1,16 @@
 """Teaching variants and launched workers for chapters 6 (ZeRO-1) and 7 (ZeRO-2).
 
-The two "seed" engines are the short ZeRO implementations that blog posts show. Both train
-correctly; each takes a shortcut that costs something zl.ZeRO does not pay:
+Two short ZeRO engines, each a design that real systems have used, and each paying for it
+with something zl.ZeRO does not pay:
 
-* SeedZeRO1 all-reduces every gradient, whole, then keeps only the slice it owns: it sends
-  2 Psi for the gradients plus Psi for the all-gather of the parameters, 3 Psi per step,
-  where a reduce-scatter (which already leaves each rank exactly its slice) sends Psi.
-* SeedZeRO2 reduce-scatters (2 Psi per step, like zl.ZeRO) but only after backward, and it
+* AllReduceZeRO1 all-reduces every gradient, whole, keeps only the slice it owns, and after the
+  step all-gathers the updated parameters: 2 Psi + Psi = 3 Psi per step, where a reduce-scatter
+  (which leaves each rank exactly its slice) sends Psi for the gradients. These are the bytes of
+  PyTorch's ZeroRedundancyOptimizer beside DDP (DDP's all-reduce, then each updated parameter
+  broadcast from the rank that owns it) and of DeepSpeed's first stage 1, which all-reduced until
+  its 2020 update to a reduce-scatter. What the design buys is simplicity: backward and the
+  gradient reduction stay plain data parallelism's.
+* KeepGradsZeRO2 reduce-scatters (2 Psi per step, like zl.ZeRO) but only after backward, and it
   never frees the full gradients: its memory is stage 1's, not stage 2's.
 
 Both work parameter by parameter (one collective per tensor, each padded on its own), fp32
@@ -30,8 +34,8 @@ from ..models import GPT, gpt_config, gpt_loss, num_params
 from ..engines.setup import build_optimizer
 
 
-class SeedZeRO1:
-    """ZeRO-1 as the seed blog writes it: all-reduce every gradient, then keep your slice."""
+class AllReduceZeRO1:
+    """ZeRO-1 with an all-reduce: reduce every whole gradient, then keep your slice (3 Psi per step)."""
 
     reduce_op = "all_reduce"
 
@@ -102,8 +106,8 @@ class SeedZeRO1:
         return {k: v.detach().float().clone() for k, v in self.model.state_dict().items()}
 
 
-class SeedZeRO2(SeedZeRO1):
-    """ZeRO-2 as the seed blog writes it: a reduce-scatter, but after backward, full grads kept."""
+class KeepGradsZeRO2(AllReduceZeRO1):
+    """ZeRO-2 with a reduce-scatter after backward that keeps the full gradients (stage 1's memory)."""
 
     reduce_op = "reduce_scatter"
 
@@ -147,14 +151,14 @@ def _train(engine, steps, batch=2):
     return losses, sent, memory
 
 
-def run_seed_vs_zero(variant: str, steps: int = 3, size: str = "nano"):
+def run_variant(variant: str, steps: int = 3, size: str = "nano"):
     """One rank's view: bytes of the last step by collective, losses, final weights (full, fp32)."""
     model = _gpt(size)
     psi = num_params(model, trainable_only=True)
-    if variant == "seed1":
-        eng = SeedZeRO1(model, OPT)
-    elif variant == "seed2":
-        eng = SeedZeRO2(model, OPT)
+    if variant == "allreduce1":
+        eng = AllReduceZeRO1(model, OPT)
+    elif variant == "keepgrads2":
+        eng = KeepGradsZeRO2(model, OPT)
     else:   # "ddp", "zero1", "zero2": zerolab's own engines
         eng = engines.make(variant, model, OPT, bucket_mb=0.05)
     losses, sent, memory = _train(eng, steps)
@@ -163,7 +167,7 @@ def run_seed_vs_zero(variant: str, steps: int = 3, size: str = "nano"):
 
 
 def agree(run, ref, tol: float = 2e-5) -> bool:
-    """Whether two runs of run_seed_vs_zero reached the same losses and weights within `tol`.
+    """Whether two runs of run_variant reached the same losses and weights within `tol`.
 
     Not bit for bit: an all-reduce and a reduce-scatter add the ranks' gradients in different
     orders, and AdamW turns the round-off of a near-zero gradient into an update of up to
@@ -218,8 +222,8 @@ def run_grad_timeline(stage: int, size: str = "tiny", bucket_mb: float = 0.05):
 
 
 def run_variants(variants, steps: int = 3, size: str = "nano"):
-    """run_seed_vs_zero for several engines in one launch: {variant: result}."""
-    return {v: run_seed_vs_zero(v, steps, size) for v in variants}
+    """run_variant for several engines in one launch: {variant: result}."""
+    return {v: run_variant(v, steps, size) for v in variants}
 
 
 def run_memory_many(configs, size: str = "nano"):
