@@ -1,12 +1,11 @@
 """Workers and measurements for chapter 9 (ZeRO-R). Every number the chapter prints comes from here.
 
-The launched functions (mesh_runs, buffer_curve, step_times) run on every rank and return
+The launched functions (mesh_runs, buffer_curve, recompute_work) run on every rank and return
 plain values; the parent prints them in rank order.
 """
 
 from __future__ import annotations
 
-import time
 from functools import partial
 
 import torch
@@ -189,46 +188,57 @@ def buffer_curve(n_layers=(1, 2, 4, 8), bucket_mb: float = 0.05) -> list:
     return rows
 
 
-# ------------------------------------------------------------------ 5. step time (benchmark rows)
+# ------------------------------------------------------------------ 5. what recomputation costs (exact counts)
 
 
-def step_times(steps: int = 8, n_layer: int = 4) -> dict:
-    """Seconds per step of plain stage 2, checkpointing, P_a and P_a+cpu, in the same processes.
+def _linear_flops(counter) -> int:
+    """FLOPs of the matrix products of linear layers (aten.mm / aten.addmm) a FlopCounterMode saw.
 
-    The four engines take turns step by step, so a slow moment of the shared machine hits
-    all of them alike; the figures are medians over steps, in wall-clock and CPU seconds, and
-    `extra_cpu` is the median over steps of each mode's CPU time minus plain stage 2's in the
-    same step (paired, so that a slow step does not count against one mode only).
+    Attention's own products are left out on purpose: which kernel runs them (and whether the
+    flop counter knows that kernel) depends on the machine; the linear layers' do not.
     """
+    ops = counter.get_flop_counts().get("Global", {})
+    return sum(n for op, n in ops.items() if str(op).split(".")[-1] in ("mm", "addmm"))
+
+
+def recompute_work(n_layer: int = 4) -> dict:
+    """The work each activation option adds to a training step, counted exactly, on this rank.
+
+    For plain stage 2, checkpointing, P_a and P_a+cpu on the tensor-parallel GPT (dp=2 x mp=2):
+    how many block forwards start in one step (a forward pre-hook on every block: a recompute
+    starts one too), the linear layers' FLOPs in forward and in backward (torch.utils.flop_counter),
+    the bytes P_a's all-gathers send (the ledger), and the bytes P_a+cpu copies to the host pool
+    (and back, the same again). Counts, not seconds: they are the same on any machine, where a
+    timing on a shared 2-core machine mostly measures its neighbours.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
     mesh = Mesh(dp=2, mp=2)
-    engines = {}
+    data = CharDataset(_cfg().block_size)
+    out = {}
     for mode in MODES:
         torch.manual_seed(0)
         model = TensorParallelGPT.from_dense(GPT(_cfg(n_layer)), mesh)
-        engines[mode] = zl.ZeRO(model, partial(torch.optim.AdamW, lr=1e-3), stage=2, mesh=mesh,
-                                track_peak=False, track_activations=False, **MODES[mode])
-    data = CharDataset(_cfg().block_size)
-    times = {mode: [] for mode in MODES}
-    cpu = {mode: [] for mode in MODES}       # this process's CPU time: other users of the machine barely move it
-    fwd, fwd_cpu = [], []
-    for s in range(steps + 1):
-        batch = data.batch(s, B, mesh.dp_rank, mesh.dp)
-        for mode, eng in engines.items():
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            _, loss = gpt_loss(eng, batch)
-            t1, c1 = time.perf_counter(), time.process_time()
-            eng.backward(loss)
+        eng = zl.ZeRO(model, partial(torch.optim.AdamW, lr=1e-3), stage=2, mesh=mesh,
+                      track_peak=False, track_activations=False, **MODES[mode])
+        starts = [0]
+        for block in model.blocks:
+            block.register_forward_pre_hook(lambda *_: starts.__setitem__(0, starts[0] + 1))
+        for s in range(2):                         # step 0 warms up; step 1 is counted
+            starts[0] = 0
+            mesh.ledger.reset()
+            if eng.checkpointing is not None:
+                eng.checkpointing.reset_counters()
+            batch = data.batch(s, B, mesh.dp_rank, mesh.dp)
+            with FlopCounterMode(display=False) as fwd:
+                _, loss = gpt_loss(eng, batch)
+            in_forward = starts[0]
+            with FlopCounterMode(display=False) as bwd:
+                eng.backward(loss)
             eng.step()
             eng.zero_grad()
-            if s:                     # step 0 warms up
-                times[mode].append(time.perf_counter() - t0)
-                cpu[mode].append(time.process_time() - c0)
-                if mode == "none":
-                    fwd.append(t1 - t0)
-                    fwd_cpu.append(c1 - c0)
-    med = lambda xs: sorted(xs)[len(xs) // 2]
-    extra = {m: med([c - base for c, base in zip(cpu[m], cpu["none"])]) for m in MODES}
-    return {"step": {m: med(t) for m, t in times.items()}, "forward": med(fwd),
-            "step_cpu": {m: med(t) for m, t in cpu.items()}, "forward_cpu": med(fwd_cpu),
-            "extra_cpu": extra}
+        policy = eng.checkpointing
+        out[mode] = {"block_forwards": starts[0], "in_forward": in_forward,
+                     "forward_flops": _linear_flops(fwd), "backward_flops": _linear_flops(bwd),
+                     "pa_gather_sent": sum(r.bytes_sent for r in mesh.ledger.records if r.tag == "pa_gather"),
+                     "offloaded": policy.offloaded_bytes if policy else 0}
+    return out
