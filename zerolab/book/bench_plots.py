@@ -103,21 +103,30 @@ def scaling_figure(results, psi, formula, comm_formula):
     return fig
 
 
-def decision_figure(results, n):
-    """Each stage at N = n: memory per rank against step time, both relative to DDP."""
-    base = results[n][0]
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    for s in (0, 1, 2, 3):
-        m = results[n][s]
-        x, y = m["states"] / base["states"], m["seconds"] / base["seconds"]
-        ax.scatter([x], [y], s=120, color=STAGE_COLORS[s], zorder=3)
-        ax.annotate(STAGE_NAMES[s], (x, y), textcoords="offset points", xytext=(8, 6), fontsize=9)
-    ax.axhline(1, color="black", lw=0.7)
-    ax.axvline(1, color="black", lw=0.7)
-    ax.set_xlabel("model-state memory per rank / DDP's (measured)")
-    ax.set_ylabel("step time / DDP's (measured)")
-    ax.set_title(f"N = {n}: pick the leftmost stage whose memory fits; it costs the least time", fontsize=9)
-    ax.set_xlim(0, 1.15)
-    ax.grid(alpha=0.3)
+def choice_figure(rows, device_gb, title):
+    """One panel per tokens-per-GPU setting: each stage placed by its model-state GB per GPU
+    (the calculator) and its step time (the cost model); the device's memory as a line."""
+    tokens = sorted({r["tokens"] for r in rows})
+    fig, axes = plt.subplots(1, len(tokens), figsize=(5.2 * len(tokens), 4), sharey=False)
+    for ax, t in zip(axes, tokens):
+        for r in (r for r in rows if r["tokens"] == t):
+            ax.scatter([r["gb"]], [r["step_ms"]], s=110, color=STAGE_COLORS[r["stage"]], zorder=3,
+                       marker="o" if r["fits"] else "x")
+            ax.annotate(STAGE_NAMES[r["stage"]], (r["gb"], r["step_ms"]), textcoords="offset points",
+                        xytext={2: (-42, 8)}.get(r["stage"], (6, 8)), fontsize=9)
+        here = [r for r in rows if r["tokens"] == t]
+        top = 1.2 * max(r["step_ms"] for r in here)
+        ax.set_ylim(0, top)
+        ax.axhline(here[0]["compute_ms"], color="#8c8c8c", ls=":", lw=1.2)
+        ax.text(1.0, here[0]["compute_ms"], " compute alone", fontsize=8, va="bottom", color="#555555")
+        ax.axvline(device_gb, color="black", ls="--", lw=1)
+        ax.text(device_gb, 0.97 * top, f" {device_gb:g} GB per GPU", fontsize=8, va="top")
+        ax.set_xscale("log")
+        ax.set_xlim(1, 300)
+        ax.set_xlabel("model states per GPU (GB, calculator)")
+        ax.set_ylabel("step time (ms, cost model)")
+        ax.set_title(f"{t:,} tokens per GPU per step", fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
