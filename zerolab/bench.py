@@ -54,7 +54,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from .bench_report import format_table, summarize, targets
+from .bench_report import COUNT_COLUMNS, TIMING_COLUMNS, format_table, summarize, targets
 from .data import CharDataset
 from .launch import launch
 from .models import GPT, gpt_config, gpt_loss

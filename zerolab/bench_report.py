@@ -7,7 +7,8 @@ memory and bytes measured, and the final loss; this module turns that into what 
                                 peer of the same kind (medians of per-step ratios), memory, bytes;
                                 and for every timing its spread: the lowest and highest of the
                                 per-repetition medians (each repetition runs in fresh processes)
-    format_table(summary)       the Markdown table `python -m zerolab bench` prints
+    format_table(summary)       the Markdown table `python -m zerolab bench` prints (or one half of
+                                it: TIMING_COLUMNS, COUNT_COLUMNS)
     targets(summary)            the targets zerolab holds itself to: met, missed, or within the
                                 run-to-run spread (a timing difference smaller than the spread
                                 between repetitions is not a finding)
@@ -88,23 +89,37 @@ def _with_spread(value, spread, fmt):
     return f"{format(value, fmt)} ({format(spread[0], fmt)}–{format(spread[1], fmt)})"
 
 
-def format_table(s) -> str:
+def _cells(s, r):
+    """The formatted cells of one row, by column name."""
     psi_bytes = 4 * s["params"]   # fp32: one full copy of the parameters, in bytes
-    lines = ["| engine | kind | step (ms) | vs floor | vs best peer | held (MB) | peak/rank (MB) | "
-             "bytes/step (MB) | bytes / 4Ψ | ledger / 4Ψ | final loss |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    peer = ""
+    if r["vs_peer"] is not None:
+        peer = f"{_with_spread(r['vs_peer'], r['vs_peer_spread'], '.2f')} ({r['best_peer']})"
+    if r["vs_zerolab"] is not None:
+        peer = f"{_with_spread(r['vs_zerolab'], r['vs_zerolab_spread'], '.2f')} (vs zerolab's default)"
+    return {"engine": r["engine"], "kind": r["kind"],
+            "step (ms)": _with_spread(r["ms"], r["ms_spread"], ".1f"),
+            "vs floor": _with_spread(r["vs_floor"], r["vs_floor_spread"], ".2f"), "vs best peer": peer,
+            "held (MB)": f"{r['held'] / 1e6:.2f}", "peak/rank (MB)": f"{r['peak'] / 1e6:.2f}",
+            "bytes/step (MB)": "n/a" if r["bytes"] is None else f"{r['bytes'] / 1e6:.2f}",
+            "bytes / 4Ψ": "n/a" if r["bytes"] is None else f"{r['bytes'] / psi_bytes:.2f}",
+            "ledger / 4Ψ": "" if r["ledger"] is None or r["kind"] == "floor" else f"{r['ledger'] / psi_bytes:.2f}",
+            "final loss": f"{r['loss']:.4f}"}
+
+
+TIMING_COLUMNS = ("engine", "kind", "step (ms)", "vs floor", "vs best peer")
+COUNT_COLUMNS = ("engine", "kind", "bytes/step (MB)", "bytes / 4Ψ", "ledger / 4Ψ", "held (MB)", "peak/rank (MB)",
+                 "final loss")
+
+
+def format_table(s, columns=None) -> str:
+    """The Markdown table; columns=TIMING_COLUMNS or COUNT_COLUMNS for one half of it."""
+    columns = columns or TIMING_COLUMNS + COUNT_COLUMNS[2:]
+    left = ("engine", "kind")
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" if c in left else "---:" for c in columns) + "|"]
     for r in s["rows"]:
-        peer = ""
-        if r["vs_peer"] is not None:
-            peer = f"{_with_spread(r['vs_peer'], r['vs_peer_spread'], '.2f')} ({r['best_peer']})"
-        if r["vs_zerolab"] is not None:
-            peer = f"{_with_spread(r['vs_zerolab'], r['vs_zerolab_spread'], '.2f')} (vs zerolab's default)"
-        b = "n/a" if r["bytes"] is None else f"{r['bytes'] / 1e6:.2f}"
-        bp = "n/a" if r["bytes"] is None else f"{r['bytes'] / psi_bytes:.2f}"
-        led = "" if r["ledger"] is None or r["kind"] == "floor" else f"{r['ledger'] / psi_bytes:.2f}"
-        lines.append(f"| {r['engine']} | {r['kind']} | {_with_spread(r['ms'], r['ms_spread'], '.1f')} | "
-                     f"{_with_spread(r['vs_floor'], r['vs_floor_spread'], '.2f')} | {peer} | "
-                     f"{r['held'] / 1e6:.2f} | {r['peak'] / 1e6:.2f} | {b} | {bp} | {led} | {r['loss']:.4f} |")
+        cells = _cells(s, r)
+        lines.append("| " + " | ".join(cells[c] for c in columns) + " |")
     return "\n".join(lines)
 
 

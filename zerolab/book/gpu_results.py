@@ -300,18 +300,28 @@ def figure(chapter: int, results: str | None = None) -> str | None:
     return path if path and os.path.exists(path) else None
 
 
-def show(chapter: int, results: str | None = None) -> None:
-    """Display the chapter's GPU table (and figure) in a notebook; print it elsewhere."""
+def show(chapter: int, results: str | None = None, with_figure: bool = True) -> None:
+    """Display the chapter's GPU table (and figure) in a notebook; print it elsewhere.
+
+    with_figure=False leaves the figure to show_figure, so a chapter can give it a cell (and a
+    numbered caption) of its own."""
     text = markdown(chapter, results)
     if text.startswith("No GPU results here"):
         print(text)
         return
     try:
-        from IPython.display import Image, Markdown, display
+        from IPython.display import Markdown, display
     except ImportError:
         print(text)
         return
     display(Markdown(text))
+    if with_figure:
+        show_figure(chapter, results)
+
+
+def show_figure(chapter: int, results: str | None = None) -> None:
+    """Display the chapter's committed GPU figure, if it has one."""
     fig = figure(chapter, results)
     if fig:
+        from IPython.display import Image, display
         display(Image(filename=fig))
