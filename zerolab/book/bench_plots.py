@@ -118,7 +118,7 @@ def choice_figure(rows, device_gb, title):
         top = 1.2 * max(r["step_ms"] for r in here)
         ax.set_ylim(0, top)
         ax.axhline(here[0]["compute_ms"], color="#8c8c8c", ls=":", lw=1.2)
-        ax.text(1.0, here[0]["compute_ms"], " compute alone", fontsize=8, va="bottom", color="#555555")
+        ax.text(1.05, here[0]["compute_ms"], "compute alone", fontsize=8, va="top", color="#555555")
         ax.axvline(device_gb, color="black", ls="--", lw=1)
         ax.text(device_gb, 0.97 * top, f" {device_gb:g} GB per GPU", fontsize=8, va="top")
         ax.set_xscale("log")
