@@ -68,3 +68,71 @@ def test_memory_columns_order_the_engines_as_the_paper_does(summary):
     assert held["zl.ZeRO-1"] < held["zl.DDP"]
     for r in summary["rows"]:
         assert r["peak"] >= r["held"] > 0, r["engine"]
+
+
+def test_deepspeed_gets_the_same_buckets_as_every_engine():
+    # zerolab's bucket_mb counts MiB of fp32; DeepSpeed counts elements (default 5e8)
+    one_mib_of_fp32 = 2 ** 20 // 4
+    for stage in (1, 2, 3):
+        zero = bench.deepspeed_config(stage, batch=4, bucket_mb=1.0)["zero_optimization"]
+        assert zero["stage"] == stage
+        assert zero["reduce_bucket_size"] == one_mib_of_fp32
+        gather_key = "stage3_prefetch_bucket_size" if stage == 3 else "allgather_bucket_size"
+        assert zero[gather_key] == one_mib_of_fp32
+    assert bench.deepspeed_config(2, 4, 25.0)["zero_optimization"]["allgather_bucket_size"] == 25 * 2 ** 18
+
+
+def test_quiet_deepspeed_keeps_only_errors():
+    import logging
+    logger = logging.getLogger("DeepSpeed")
+    handler = logging.StreamHandler()
+    logger.addHandler(handler)
+    try:
+        bench.quiet_deepspeed()
+        assert logger.level == logging.ERROR and handler.level == logging.ERROR
+    finally:
+        logger.removeHandler(handler)
+
+
+def _fake_results(step_times):
+    """bench_worker's output for 2 ranks: step_times[rep][engine] = per-step seconds of rank 0
+    (rank 1 is 10% faster, so the slowest rank is rank 0)."""
+    rows = [("floor", "floor", "floor"), ("zl.DDP", "DDP", "zerolab"), ("PyTorch DDP", "DDP", "PyTorch")]
+    reps = []
+    for rep, per_engine in enumerate(step_times):
+        ranks = []
+        for rank in range(2):
+            scale = 1.0 if rank == 0 else 0.9
+            mem = rep == len(step_times) - 1
+            ranks.append({"rows": rows, "params": 10, "note": "",
+                          "times": {nm: [t * scale for t in ts] for nm, ts in per_engine.items()},
+                          "loss": {nm: 1.0 for nm in per_engine}, "wrote": {nm: 0 for nm in per_engine},
+                          "ledger": {nm: 0 for nm in per_engine},
+                          "held": {nm: 1 for nm in per_engine} if mem else {},
+                          "peak": {nm: 2 for nm in per_engine} if mem else {}})
+        reps.append(ranks)
+    return reps
+
+
+def test_timings_come_with_their_spread_over_repetitions():
+    times = [{"floor": [1.0, 1.0, 1.0], "zl.DDP": [2.0, 2.2, 3.0], "PyTorch DDP": [2.0, 2.0, 2.0]},
+             {"floor": [1.0, 1.0, 1.0], "zl.DDP": [1.6, 1.8, 1.7], "PyTorch DDP": [2.0, 2.0, 2.0]},
+             {"floor": [1.0, 1.0, 1.0], "zl.DDP": [1.9, 1.9, 1.9], "PyTorch DDP": [2.0, 2.0, 2.0]}]
+    s = bench.summarize(_fake_results(times), steps=3)
+    rows = {r["engine"]: r for r in s["rows"]}
+    ddp = rows["zl.DDP"]
+    # per-repetition medians of zl.DDP: 2.2, 1.7, 1.9 s (the first mean is 2.4); over all nine steps: 1.9 s
+    assert ddp["ms"] == pytest.approx(1900)
+    assert ddp["ms_spread"] == pytest.approx((1700, 2200))
+    assert ddp["vs_peer_spread"] == pytest.approx((0.85, 1.1))
+    assert "1900.0 (1700.0–2200.0)" in bench.format_table(s)
+    # the repetitions disagree about which engine is faster: no verdict either way
+    timing = [ok for text, ok in bench.targets(s) if "step time" in text]
+    assert timing == [None]
+    # every repetition on the same side of 1: a verdict
+    faster = [{**t, "zl.DDP": [1.5, 1.5, 1.5]} for t in times]
+    s = bench.summarize(_fake_results(faster), steps=3)
+    assert [ok for text, ok in bench.targets(s) if "step time" in text] == [True]
+    # one repetition says nothing about the noise
+    s = bench.summarize(_fake_results(faster[:1]), steps=3)
+    assert [ok for text, ok in bench.targets(s) if "step time" in text] == [None]

@@ -11,26 +11,31 @@ FAMILY_COLORS = {"floor": "#8c8c8c", "zerolab": "#4C72B0", "PyTorch": "#DD8452",
 
 
 def bench_figure(s):
-    """Three panels, one bar per engine: step time vs the floor, peak memory, bytes per step."""
+    """Three panels, one bar per engine: step time vs the floor (the whisker spans the lowest
+    to the highest repetition's median), peak memory, bytes per step."""
     rows = s["rows"]
     names = [r["engine"] for r in rows]
     colors = [FAMILY_COLORS.get(r["family"], "#8172B3") for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4.2), sharey=True)
-    y = range(len(rows))
-    panels = [("step time / floor", [r["vs_floor"] for r in rows]),
+    y = list(range(len(rows)))
+    panels = [("step time / floor (whisker: spread over repetitions)", [r["vs_floor"] for r in rows]),
               ("peak memory per rank (MB)", [r["peak"] / 1e6 for r in rows]),
               ("bytes sent per step and rank (MB)", [(r["bytes"] or 0) / 1e6 for r in rows])]
     for ax, (title, vals) in zip(axes, panels):
-        ax.barh(list(y), vals, color=colors)
+        ax.barh(y, vals, color=colors)
         ax.set_title(title, fontsize=10)
         ax.grid(axis="x", alpha=0.3)
+    lo = [r["vs_floor"] - r["vs_floor_spread"][0] for r in rows]
+    hi = [r["vs_floor_spread"][1] - r["vs_floor"] for r in rows]
+    axes[0].errorbar([r["vs_floor"] for r in rows], y, xerr=[lo, hi], fmt="none", ecolor="black",
+                     elinewidth=1, capsize=3)
     axes[0].axvline(1.0, color="black", lw=0.8)
-    axes[1].set_xscale("log")   # a few MB beside DeepSpeed's GB-sized default buckets
-    axes[0].set_yticks(list(y), names)
+    axes[0].set_yticks(y, names)
     axes[0].invert_yaxis()
     handles = [matplotlib.patches.Patch(color=c, label=f) for f, c in FAMILY_COLORS.items()]
     fig.legend(handles=handles, loc="lower center", ncol=4, frameon=False)
-    fig.suptitle(f"GPT {s['size']!r}, {s['world_size']} ranks, batch {s['batch']} per rank (this machine)")
+    fig.suptitle(f"GPT {s['size']!r}, {s['world_size']} ranks, batch {s['batch']} per rank, "
+                 f"{s.get('reps', 1)} repetitions (this machine)")
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
 
@@ -70,43 +75,58 @@ def calculator_figure(psi, device_gb, n_ds=(1, 4, 16, 64, 256, 1024), activation
     return fig
 
 
-def scaling_figure(results, psi, formula):
-    """Two panels: measured model-state bytes per rank (dots) vs the formula (lines), and step time."""
+def scaling_figure(results, psi, formula, comm_formula):
+    """Two panels, measured (dots) against the formula (lines) at each N: model-state bytes per
+    rank, and the bytes per rank the ledger booked for one step."""
     ns = sorted(results)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for s in (0, 1, 2, 3):
         c = STAGE_COLORS[s]
         a.plot(ns, [formula(psi, n, s) / 2**20 for n in ns], color=c, lw=1.2, label=f"{STAGE_NAMES[s]} formula")
         a.plot(ns, [results[n][s]["states"] / 2**20 for n in ns], "o", color=c, ms=7, label=f"{STAGE_NAMES[s]} measured")
-        b.plot(ns, [results[n][s]["seconds"] * 1e3 for n in ns], marker="o", color=c, label=STAGE_NAMES[s])
+        # DDP, ZeRO-1 and ZeRO-2 book the same bytes: offset their dots a little to see all three
+        dx = {0: -0.06, 1: 0.0, 2: 0.06, 3: 0.0}[s]
+        b.plot(ns, [comm_formula(psi, n, s) / 2**20 for n in ns], color=c, lw=1.2)
+        b.plot([n + dx for n in ns], [results[n][s]["comm"] / 2**20 for n in ns], "o", color=c, ms=7,
+               label=STAGE_NAMES[s])
     a.set_ylabel("model states per rank (MiB)")
-    b.set_ylabel("median step time (ms)")
+    b.set_ylabel("bytes sent per rank and step (MiB)")
+    a.set_title("memory: 16Ψ, split one more term per stage", fontsize=9)
+    b.set_title("communication: ring model, 2(N-1)/N · 4Ψ (ZeRO-3: 3(N-1)/N · 4Ψ)", fontsize=9)
     for ax in (a, b):
         ax.set_xlabel("N (ranks)")
         ax.set_xticks(ns)
         ax.grid(alpha=0.3)
     a.legend(fontsize=7, ncol=2)
     b.legend(fontsize=8)
-    b.set_title("2 shared CPU cores: beyond N = 2 the ranks queue for them", fontsize=9)
     fig.tight_layout()
     return fig
 
 
-def decision_figure(results, n):
-    """Each stage at N = n: memory per rank against step time, both relative to DDP."""
-    base = results[n][0]
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    for s in (0, 1, 2, 3):
-        m = results[n][s]
-        x, y = m["states"] / base["states"], m["seconds"] / base["seconds"]
-        ax.scatter([x], [y], s=120, color=STAGE_COLORS[s], zorder=3)
-        ax.annotate(STAGE_NAMES[s], (x, y), textcoords="offset points", xytext=(8, 6), fontsize=9)
-    ax.axhline(1, color="black", lw=0.7)
-    ax.axvline(1, color="black", lw=0.7)
-    ax.set_xlabel("model-state memory per rank / DDP's (measured)")
-    ax.set_ylabel("step time / DDP's (measured)")
-    ax.set_title(f"N = {n}: pick the leftmost stage whose memory fits; it costs the least time", fontsize=9)
-    ax.set_xlim(0, 1.15)
-    ax.grid(alpha=0.3)
+def choice_figure(rows, device_gb, title):
+    """One panel per tokens-per-GPU setting: each stage placed by its model-state GB per GPU
+    (the calculator) and its step time (the cost model); the device's memory as a line."""
+    tokens = sorted({r["tokens"] for r in rows})
+    fig, axes = plt.subplots(1, len(tokens), figsize=(5.2 * len(tokens), 4), sharey=False)
+    for ax, t in zip(axes, tokens):
+        for r in (r for r in rows if r["tokens"] == t):
+            ax.scatter([r["gb"]], [r["step_ms"]], s=110, color=STAGE_COLORS[r["stage"]], zorder=3,
+                       marker="o" if r["fits"] else "x")
+            ax.annotate(STAGE_NAMES[r["stage"]], (r["gb"], r["step_ms"]), textcoords="offset points",
+                        xytext={2: (-42, 8)}.get(r["stage"], (6, 8)), fontsize=9)
+        here = [r for r in rows if r["tokens"] == t]
+        top = 1.2 * max(r["step_ms"] for r in here)
+        ax.set_ylim(0, top)
+        ax.axhline(here[0]["compute_ms"], color="#8c8c8c", ls=":", lw=1.2)
+        ax.text(1.05, here[0]["compute_ms"], "compute alone", fontsize=8, va="top", color="#555555")
+        ax.axvline(device_gb, color="black", ls="--", lw=1)
+        ax.text(device_gb, 0.97 * top, f" {device_gb:g} GB per GPU", fontsize=8, va="top")
+        ax.set_xscale("log")
+        ax.set_xlim(1, 300)
+        ax.set_xlabel("model states per GPU (GB, calculator)")
+        ax.set_ylabel("step time (ms, cost model)")
+        ax.set_title(f"{t:,} tokens per GPU per step", fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig

@@ -259,6 +259,24 @@ def _chapter10(results):
 TEXT = {2: _chapter2, 5: _chapter5, 8: _chapter8, 9: _chapter9, 10: _chapter10}
 
 
+def facts(chapter: int, results: str | None = None) -> dict:
+    """The few numbers a chapter's prose quotes from the GPU results, computed from the files
+    (so the text and the table below it cannot disagree); {} when the files are not there."""
+    if missing(results):
+        return {}
+    if chapter == 8:
+        p = load("overlap.json", results)["prefetch"]["world2"]
+        w0, w1 = p["gather_wait_ms"]["0"], p["gather_wait_ms"]["1"]
+        return {"blocked_pf0_ms": w0, "blocked_pf1_ms": w1, "blocked_cut": 1 - w1 / w0}
+    if chapter == 10:
+        b1, b2 = _reps(results)[:2]
+        r1, r2 = _rows(b1, "world1"), _rows(b2, "world1")
+        moves = [max(a["tokens_per_s"], b["tokens_per_s"]) / min(a["tokens_per_s"], b["tokens_per_s"])
+                 for name, a in r1.items() for b in [r2.get(name)] if a["ran"] and b and b["ran"]]
+        return {"psi": b1["runs"]["world1"]["rows"][0]["psi"], "largest_move": max(moves)}
+    raise ValueError(f"no GPU facts for chapter {chapter!r}; chapters with some: 8, 10")
+
+
 def missing(results: str | None = None) -> list[str]:
     """The result files that are not there (the GPU results are optional: a checkout may lack them)."""
     return [f for f in FILES if not os.path.exists(os.path.join(results or RESULTS, f))]
@@ -282,18 +300,28 @@ def figure(chapter: int, results: str | None = None) -> str | None:
     return path if path and os.path.exists(path) else None
 
 
-def show(chapter: int, results: str | None = None) -> None:
-    """Display the chapter's GPU table (and figure) in a notebook; print it elsewhere."""
+def show(chapter: int, results: str | None = None, with_figure: bool = True) -> None:
+    """Display the chapter's GPU table (and figure) in a notebook; print it elsewhere.
+
+    with_figure=False leaves the figure to show_figure, so a chapter can give it a cell (and a
+    numbered caption) of its own."""
     text = markdown(chapter, results)
     if text.startswith("No GPU results here"):
         print(text)
         return
     try:
-        from IPython.display import Image, Markdown, display
+        from IPython.display import Markdown, display
     except ImportError:
         print(text)
         return
     display(Markdown(text))
+    if with_figure:
+        show_figure(chapter, results)
+
+
+def show_figure(chapter: int, results: str | None = None) -> None:
+    """Display the chapter's committed GPU figure, if it has one."""
     fig = figure(chapter, results)
     if fig:
+        from IPython.display import Image, display
         display(Image(filename=fig))

@@ -2,14 +2,14 @@
 
 `scaling_worker` builds DDP (stage 0) and ZeRO stages 1-3 on the same model in the same ranks,
 trains each a few steps in turn, and reports per stage the model-state bytes this rank holds
-(measured storages, `memory_report`), the peak of one step above that, the median step time,
-and the bytes the ledger booked for one step. The parent compares them with the formulas.
+(measured storages, `memory_report`), the peak of one step above that, and the bytes the ledger
+booked for one step. The parent compares them with the formulas. Nothing here is timed: on a
+machine whose ranks share a few cores, step times say how the ranks queue for the cores, not
+how the stages scale; the benchmark (zerolab.bench) times the engines with their spread.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from functools import partial
 
 import torch
@@ -31,29 +31,23 @@ def _engine(stage, size, bucket_mb):
 
 
 def scaling_worker(size="tiny", batch=2, steps=4, bucket_mb=0.25):
-    """Per stage on this rank: model-state bytes, step peak, median step seconds, ledger bytes, loss."""
+    """Per stage on this rank: model-state bytes, step peak, ledger bytes of one step, loss."""
     rank, n = dist.get_rank(), dist.get_world_size()
     data = CharDataset(gpt_config(size).block_size)
     engines = {s: _engine(s, size, bucket_mb) for s in STAGES}
-    times = {s: [] for s in STAGES}
     out = {}
     for i in range(steps):
-        for s in STAGES[i % 4:] + STAGES[:i % 4]:       # rotate the order: fair to every stage
+        for s in STAGES:
             eng = engines[s]
             eng.comm.reset()
-            dist.barrier()
-            t = time.perf_counter()
             _, loss = gpt_loss(eng, data.batch(i, batch, rank, n))
             eng.backward(loss)
             eng.step()
-            times[s].append(time.perf_counter() - t)
             if i == steps - 1:   # after the last step, gradients still held (stage 2/3 hold shards)
                 rep = eng.memory_report()
                 out[s] = {"states": rep["total"], "peak": rep["peak"], "comm": eng.comm.bytes(),
                           "loss": loss.item()}
             eng.zero_grad()
-    for s in STAGES:
-        out[s]["seconds"] = statistics.median(times[s][1:])   # the first step builds optimizer state
     return out
 
 
@@ -79,6 +73,5 @@ def run_scaling(world_sizes=(1, 2, 4), size="tiny", batch=2, steps=4):
         results[n] = {s: {"states": max(r[s]["states"] for r in ranks),
                           "peak": max(r[s]["peak"] for r in ranks),
                           "comm": max(r[s]["comm"] for r in ranks),
-                          "seconds": ranks[0][s]["seconds"],
                           "loss": sum(r[s]["loss"] for r in ranks) / n} for s in STAGES}
     return results, psi
