@@ -5,14 +5,18 @@ precision, checkpoint ...): these modules call that library the way a reader wou
 and plot. One module per idea of a chapter:
 
     fp_plots, mixed_precision_demo   chapters 1 and 2: floating point, mixed precision
+    reduction_dtype, scaler_rules    chapters 1 and 2: the dtype a collective adds in; three loss scalers
     memory_demo, plots               chapter 3: where the memory goes (plots: shared bar charts)
-    dp_demo, timeline                chapters 4 and 5: collectives, data parallelism, timelines
+    dp_demo, timeline, cost_plots    chapters 4 and 5: collectives, data parallelism, the cost model's figures
     zero_demo, zero_plots            chapters 6 and 7: ZeRO-1 and ZeRO-2
-    zero3_demo, zero3_plots          chapter 8: ZeRO-3
+    zero3_demo, zero3_plots, zero3_cost   chapter 8: ZeRO-3, and when its traffic hides
     zero_r_demo, zero_r_plots        chapter 9: ZeRO-R
     scaling_demo, bench_plots        chapter 10: scaling up, the benchmark's figures
+    paper_tables, stage_choice       chapter 10: the paper's printed tables; choosing a stage
     own_model_demo, own_model_failures   chapter 11: a Hugging Face model, and what breaks
+    web_widgets                      chapters 1, 3, 10: calculators that work in the page, no kernel
     gpu_results                      chapters 2, 5, 8, 9, 10: what was measured on a GPU (gpu/results/)
+    source                           chapters 2, 6, 7, 8: library source printed beside the prose
 """
 
 import importlib
