@@ -173,6 +173,12 @@ def save(engine, path, extra: dict | None = None) -> str:
         opt_segments = _split(opt_segments, rank, size)
     if frozen_replicated:
         frozen_segments = _split(frozen_segments, rank, size)
+    replicas = getattr(engine, "replicas", 1)
+    if replicas > 1:
+        # HSDP: every node holds the same shards; node i writes the i-th 1/replicas of each piece
+        index = engine.replica_index
+        opt_segments = _split(opt_segments, index, replicas)
+        frozen_segments = _split(frozen_segments, index, replicas)
     os.makedirs(path, exist_ok=True)
     # one fresh id per save, the same on every rank: rank 0's random number wins
     token = _agree(engine, secrets.randbits(62) if rank == 0 else 0, "max")

@@ -10,9 +10,12 @@ Bytes follow the ring algorithm, where S is the size of the full (unsharded) ten
     reduce-scatter      (N-1)/N * S
     all-gather          (N-1)/N * S
     broadcast           S for every rank of the pipeline chain except its last, which sends 0
+    all-to-all          (N-1)/N * S    (S: this rank's input; 1/N of it goes to each other rank)
 
 That is the number the paper reasons with ("2 Psi per step for data parallelism"), so a
-chapter can print the measured total beside it. Async operations return a Handle whose
+chapter can print the measured total beside it. With a Topology (Ledger.topology, chapter 12)
+each record also books how many of those bytes cross to another node (`bytes_inter`): in a ring
+this rank sends everything to the next rank of its group, in an all-to-all 1/N to each. Async operations return a Handle whose
 wait() stamps the end time, which gives the timelines of chapters 5 and 8.
 
 A collective that never completes (a rank stuck, crashed, or running different code) would
@@ -58,6 +61,7 @@ class CommRecord:
     end: float | None = None
     tag: str = ""
     async_op: bool = False
+    bytes_inter: int | None = None   # of bytes_sent, those that cross to another node (with a topology)
 
     @property
     def seconds(self) -> float:
@@ -162,6 +166,7 @@ class Ledger:
     group: object = None
     records: list = field(default_factory=list)
     timeout: float | None = field(default_factory=default_timeout)
+    topology: object = None          # a zl.Topology: then each record books its cross-node bytes
 
     def __post_init__(self):
         self._epoch = time.perf_counter()
@@ -174,10 +179,21 @@ class Ledger:
         """Forget all records (the clock keeps running)."""
         self.records.clear()
 
-    def bytes(self, op: str | None = None, tag: str | None = None) -> int:
-        """Total bytes this rank sent, optionally only for one op or tag."""
-        return sum(r.bytes_sent for r in self.records
-                   if (op is None or r.op == op) and (tag is None or r.tag == tag))
+    def bytes(self, op: str | None = None, tag: str | None = None, link: str | None = None) -> int:
+        """Total bytes this rank sent, optionally only for one op, one tag (a prefix ending in ':'
+        matches every tag that starts with it) or one link class ("intra" | "inter": needs a
+        topology)."""
+        if link not in (None, "intra", "inter"):
+            raise ValueError(f"link must be None, 'intra' or 'inter', got {link!r}")
+        if link is not None and self.topology is None:
+            raise ValueError("bytes by link class need a topology: set ledger.topology = zl.Topology(...)")
+        total = 0
+        for r in self.records:
+            if (op is None or r.op == op) and (tag is None or r.tag == tag
+                                              or (tag.endswith(":") and r.tag.startswith(tag))):
+                inter = r.bytes_inter or 0
+                total += r.bytes_sent if link is None else inter if link == "inter" else r.bytes_sent - inter
+        return total
 
     def summary(self) -> dict:
         """{op: {"calls": n, "bytes": b, "seconds": s}} over the records."""
@@ -196,6 +212,8 @@ class Ledger:
         rec = CommRecord(op=op, dtype=str(dtype).replace("torch.", ""), numel=int(tensor_full_numel),
                          bytes_sent=round(factor(n) * tensor_full_numel * elem), group_size=n,
                          start=self.now(), tag=tag, async_op=async_op)
+        if self.topology is not None and op not in ("send", "recv"):
+            rec.bytes_inter = self._inter_bytes(op, group, rec.bytes_sent)
         self.records.append(rec)
         seq = 0
         if n == 1 or not dist.is_initialized():
@@ -212,6 +230,21 @@ class Ledger:
             return handle
         handle.wait()
         return None
+
+    def _inter_bytes(self, op, group, sent) -> int:
+        """How many of the `sent` bytes cross to another node: a ring sends them all to the next
+        rank of the group (so does a broadcast's chain), an all-to-all sends an equal part to
+        every other rank. Point-to-point sends (zl.collectives' demos) are not booked by link."""
+        if not sent or not dist.is_initialized():
+            return 0
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        me = dist.get_rank()
+        topo = self.topology
+        if op == "all_to_all":
+            others = [r for r in ranks if r != me]
+            return round(sent * sum(topo.link(me, r) == "inter" for r in others) / len(others))
+        nxt = ranks[(ranks.index(me) + 1) % len(ranks)]
+        return sent if topo.link(me, nxt) == "inter" else 0
 
     # --- the watchdog (only with a timeout)
     def _announce(self, rec: CommRecord) -> int:
@@ -310,6 +343,18 @@ class Ledger:
         return self._run("broadcast", tensor.numel(), tensor.dtype, lambda n_: sends if n_ > 1 else 0.0,
                          lambda g_, a: dist.broadcast(tensor, src=src, group=g_, async_op=a),
                          group, async_op, tag)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group=None, tag=""):
+        """output[i-th 1/N] <- the i-th rank's input[this rank's 1/N] (equal splits; blocking)."""
+        g = self.group if group is None else group
+        if output.numel() != input.numel() or input.numel() % _group_size(g):
+            raise ValueError(f"all_to_all: input ({input.numel()}) and output ({output.numel()}) must "
+                             f"have the same number of elements, a multiple of the group size ({_group_size(g)})")
+        if _group_size(g) == 1:
+            output.copy_(input)
+        return self._run("all_to_all", input.numel(), input.dtype, lambda n: (n - 1) / n,
+                         lambda g_, a: dist.all_to_all_single(output, input, group=g_, async_op=a),
+                         group, False, tag)
 
     def barrier(self, group=None) -> None:
         """Wait for every rank of the group (recorded with 0 bytes)."""

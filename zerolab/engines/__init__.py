@@ -51,4 +51,9 @@ def ZeRO(model, optimizer, *, stage=None, **options):
     if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (1, 2, 3):
         raise ValueError(f"stage must be 1 (shard optimizer state), 2 (also gradients) or 3 (also "
                          f"parameters); got {stage!r}")
+    given = [k for k in ("quantize_weights", "secondary_partition", "quantize_gradients", "shard_group",
+                          "topology") if options.get(k) not in (None, False)]
+    if stage != 3 and given:
+        raise ValueError(f"{', '.join(given)}: ZeRO++ and HSDP options act on sharded parameters, "
+                         f"which only stage 3 has; got stage={stage}. Use stage=3 (or drop the options).")
     return make(f"zero{stage}", model, optimizer, **options)

@@ -77,6 +77,7 @@ class Engine:
     _clip_next = None           # max_norm of a clip_grad_norm_() call, for the next step
     _group_views = None         # flat engines with several parameter groups: param_groups.GroupViews
     broadcast_buffers = False   # data-parallel engines: True by default (engines.setup)
+    norm_group = None           # the group whose shards make up the whole gradient once (None: all)
     _last_batch = None          # fp16: the last training forward's inputs, to diagnose a give-up
 
     # -------------------------------------------------------------- forward
@@ -175,7 +176,8 @@ class Engine:
         max_norm, self._clip_next = self._clip_next or self.max_grad_norm, None
         if max_norm is not None:
             # sharded engines hold disjoint slices: their squared norms are summed over ranks
-            self.last_grad_norm = clip_grad_norm_(grads, max_norm, self.comm if self.sharded else None)
+            self.last_grad_norm = clip_grad_norm_(grads, max_norm, self.comm if self.sharded else None,
+                                                  group=self.norm_group)
         views = self._group_views        # parameter groups on flat tensors (param_groups)
         if views is not None:
             views.point_grads()
@@ -354,7 +356,7 @@ class Engine:
             if g is not None:
                 sq += g.detach().float().pow(2).sum()
         if self.sharded:
-            self.comm.all_reduce(sq, tag="grad_norm")
+            self.comm.all_reduce(sq, group=self.norm_group, tag="grad_norm")
         self._clip_next = float(max_norm)
         return math.sqrt(sq.item()) / self.precision.scale    # (1 unless fp16 scales the loss)
 

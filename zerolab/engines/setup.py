@@ -309,7 +309,7 @@ def start_data_parallel(engine, model, optimizer, *, precision, scaler, max_grad
               "checkpoint_activations": bool(checkpoint_activations),
               "partition_activations": bool(partition_activations),
               "offload_activations": bool(offload_activations), "broadcast_buffers": bool(broadcast_buffers)}
-    for option in ("prefetch", "overlap"):          # the engine's own, set before this runs
+    for option in ("prefetch", "overlap", "zeropp"):          # the engine's own, set before this runs
         if hasattr(engine, option):
             config[option] = getattr(engine, option)
     check_same_model(model, engine.comm, engine._src, config)

@@ -96,13 +96,16 @@ class Unit:
 
     `train` holds the trainable parameters (gradients, optimizer state), `frozen` the rest
     (gathered like the others, never reduced, no optimizer state). `comm` is the engine's
-    ledger, `record(unit, state, phase)` its event log.
+    ledger, `record(unit, state, phase)` its event log, `route` decides how its collectives
+    travel (zerolab.engines.zeropp: over the world, quantized, node-local, HSDP).
     """
 
-    def __init__(self, index, name, module, params, comm, record):
+    def __init__(self, index, name, module, params, comm, record, route):
         self.index, self.name, self.module = index, name, module
         self.params = params            # original parameters, in model.parameters() order
         self.comm, self.record = comm, record
+        self.route = route              # how its collectives travel (zeropp.Route: plain, ZeRO++, HSDP)
+        self.secondary = {}             # kind -> hpZ's node-local shard, from forward to backward
         self.buckets = {}               # "train" / "frozen" -> Bucket
         self.full = {}                  # kind -> the full flat buffer (storage resized to 0 when free)
         self.shard = {}                 # kind -> this rank's shard, compute dtype
@@ -194,8 +197,7 @@ class Unit:
         self.record(self, "gathering", phase)
         for kind, full in self.full.items():
             _storage_alloc(full)
-            self.handles[kind] = self.comm.all_gather(full, self.shard[kind], async_op=True,
-                                                      tag=f"gather:{self.name}")
+            self.handles[kind] = self.route.all_gather(self, kind, full, phase)
 
     def wait(self, phase) -> float:
         """Block until gathered (gathering first if nobody did); return the seconds waited."""
@@ -212,11 +214,16 @@ class Unit:
         return self.comm.now() - t0
 
     def release(self, phase):
-        """Free the full buffers (a prefetch nobody used is finished first)."""
+        """Free the full buffers (a prefetch nobody used is finished first). hpZ keeps a
+        secondary shard from a training forward until the unit's backward is done."""
         if self.handles:
             self.wait(phase)
+        if phase in ("backward", "step"):
+            self.secondary = {}
         if not self.gathered:
             return
+        if phase == "forward" and torch.is_grad_enabled():
+            self.route.keep_secondary(self, phase)
         _mark_released(self.params, True)
         for full in self.full.values():
             _storage_free(full)
@@ -242,8 +249,7 @@ class Unit:
             self.grad_full = torch.zeros(b.padded_numel, dtype=b.data.dtype, device=b.data.device)
         out = torch.empty(b.padded_numel // b.world_size, dtype=self.grad_full.dtype, device=b.data.device)
         self.record(self, "reduce_scatter", "backward")
-        self._rs = (self.comm.reduce_scatter(out, self.grad_full, async_op=True,
-                                             tag=f"reduce:{self.name}"), out)
+        self._rs = (self.route.reduce(self, self.grad_full, out), out)
 
     def finish_reduce(self):
         """Wait for the reduce-scatter; keep (or add to) the gradient shard, free the full gradient."""

@@ -53,7 +53,7 @@ from ..buckets import unreached_ranges
 from ..memory import optimizer_tensors
 from ..precision import fp32_where_buffers
 from .base import Engine, flat_segments
-from . import param_groups
+from . import param_groups, zeropp
 from .setup import broadcast_from_rank0, start_data_parallel
 from .units import Unit, find_units, group_params, measure_peak
 from .zero3_schedule import UnitSchedule
@@ -91,7 +91,9 @@ class ZeRO3(UnitSchedule, Engine):
     def __init__(self, model: nn.Module, optimizer, *, precision="fp32", bucket_mb=25.0, prefetch=1,
                  max_grad_norm=None, scaler=None, units=None, track_peak=True, init_fn=None, mesh=None,
                  checkpoint_activations=False, partition_activations=False, offload_activations=False,
-                 track_activations=None, broadcast_buffers=True):
+                 track_activations=None, broadcast_buffers=True, topology=None, quantize_weights=False,
+                 secondary_partition=None, quantize_gradients=False, shard_group=None):
+        zeropp.check_options(quantize_weights, secondary_partition, quantize_gradients, shard_group)
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (units to gather ahead; 0 = off), got {prefetch!r}")
         if isinstance(model, nn.Module) and init_fn is None \
@@ -99,6 +101,8 @@ class ZeRO3(UnitSchedule, Engine):
             raise ValueError("the model is on the meta device: pass init_fn(name, module) to "
                              "initialise its parameters unit by unit")
         self.prefetch = prefetch
+        ranks_per_node = getattr(topology, "ranks_per_node", topology)
+        self.zeropp = (quantize_weights, secondary_partition, quantize_gradients, shard_group, ranks_per_node)
         start_data_parallel(self, model, optimizer, precision=precision, scaler=scaler,
                             max_grad_norm=max_grad_norm, track_peak=track_peak, bucket_mb=bucket_mb,
                             mesh=mesh, checkpoint_activations=checkpoint_activations,
@@ -106,6 +110,13 @@ class ZeRO3(UnitSchedule, Engine):
                             offload_activations=offload_activations, track_activations=track_activations,
                             broadcast_buffers=broadcast_buffers)
         self.bucket_mb = float(bucket_mb)
+        # how units' collectives travel; HSDP shards over a node, so a unit's shard index is the
+        # rank in the node (engine.rank stays the global rank: the loss is still divided by N)
+        self.route = zeropp.Route(self.comm, self.world_size, self.rank, topology, quantize_weights,
+                                  secondary_partition, quantize_gradients, shard_group)
+        self.shard_rank, self.replicas = self.route.shard_rank, self.route.replicas
+        self.replica_index = self.route.replica_index
+        self.norm_group = self.route.shard_group     # replicas hold the same shards: count them once
         self.events: list = []
         self.gather_wait_s = 0.0        # seconds spent blocked waiting for all-gathers (what prefetch hides)
         self._fwd_order: list = []      # units in the order the last forward ran them
@@ -127,7 +138,7 @@ class ZeRO3(UnitSchedule, Engine):
         self.masters = [u.master for u in self.units if u.master is not None]
         trained = [u.buckets["train"] for u in self.units if u.master is not None]
         views = param_groups.GroupViews(self.optimizer, self.masters, trained,
-                                        [b.shard(self.rank) for b in trained], group_of)
+                                        [b.shard(self.shard_rank) for b in trained], group_of)
         self._group_views = views if views.views else None
         self._install_hooks()
         fp32_where_buffers(model, self.precision.compute_dtype)   # after the units' hooks: BatchNorm in fp32
@@ -176,8 +187,8 @@ class ZeRO3(UnitSchedule, Engine):
         specs, groups, refs = group_params(self.model, found)
         self.units = []
         for i, ((name, module), params) in enumerate(zip(specs, groups)):
-            u = Unit(i, name, module, params, self.comm, self._event)
-            u.materialize(self.model, refs, init_fn, self.world_size, self.rank, self._src,
+            u = Unit(i, name, module, params, self.comm, self._event, self.route)
+            u.materialize(self.model, refs, init_fn, self.route.shard_size, self.shard_rank, self._src,
                           self.precision.compute_dtype, self.precision.policy.needs_master, group_of)
             self.units.append(u)
         self.param_unit = {id(p): u for u in self.units for b in u.buckets.values() for p in b.params}
@@ -240,7 +251,7 @@ class ZeRO3(UnitSchedule, Engine):
             unused |= {k + i for i in (u.unused_positions or ())}
             k += u.n_train
         return self.masters, unreached_ranges([u.buckets["train"] for u in train], unused,
-                                              [u.buckets["train"].shard(self.rank) for u in train])
+                                              [u.buckets["train"].shard(self.shard_rank) for u in train])
 
     def _publish(self):
         if self.precision.policy.needs_master:
@@ -266,10 +277,10 @@ class ZeRO3(UnitSchedule, Engine):
         for u in self.units:
             if "train" in u.buckets:
                 b = u.buckets["train"]
-                opt += flat_segments(u.master, b, b.shard(self.rank), names)
+                opt += flat_segments(u.master, b, b.shard(self.shard_rank), names)
             if "frozen" in u.buckets:
                 b = u.buckets["frozen"]
-                frozen += flat_segments(u.shard["frozen"], b, b.shard(self.rank), names)
+                frozen += flat_segments(u.shard["frozen"], b, b.shard(self.shard_rank), names)
         return opt, frozen, False, False
 
     def _full_values(self) -> dict:
@@ -280,7 +291,7 @@ class ZeRO3(UnitSchedule, Engine):
             for kind, b in u.buckets.items():
                 src = u.master.data if (kind == "train") else u.shard[kind]
                 full = torch.empty(b.padded_numel, dtype=src.dtype, device=src.device)
-                self.comm.all_gather(full, src.contiguous(), tag="state")
+                self.comm.all_gather(full, src.contiguous(), group=self.route.shard_group, tag="state")
                 for p, view in zip(b.params, b.views(full)):
                     value_of[id(p)] = view
         return value_of
@@ -289,6 +300,7 @@ class ZeRO3(UnitSchedule, Engine):
         # params: the shards and whatever is gathered now; optimizer: fp32 master shards when mixed
         params = [s for u in self.units for s in u.shard.values()]
         params += [f for u in self.units for f in u.full.values()]
+        params += [s for u in self.units for s in u.secondary.values()]     # hpZ
         grads = [u.grad_shard for u in self.units if u.grad_shard is not None]
         grads += [u.grad_full for u in self.units if u.grad_full is not None]
         masters = [u.master for u in self.units if u.master is not None] \
