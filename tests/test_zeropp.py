@@ -269,6 +269,48 @@ def test_bytes_of_a_quantized_payload_match_the_module():
         assert q_bytes(n, 8) == qz.wire_bytes(n, 8, 256) and q_bytes(n, 4) == qz.wire_bytes(n, 4, 256)
 
 
+def collectives_alone():
+    """qwZ's gather and qgZ's reduction against the exact collective, on the same tensors."""
+    rank = zl.rank()
+    eng = zl.ZeRO(model(), OPT, stage=3, topology=G, quantize_weights=True, quantize_gradients=True)
+    u = eng.units[1]
+    u.gather("forward")
+    u.wait("forward")
+    approx = u.full["train"].clone()
+    u.release("step")
+    exact = torch.empty_like(approx)
+    dist.all_gather_single(exact, u.shard["train"])
+    # a gradient with very different magnitudes per rank and per block
+    torch.manual_seed(100 + rank)
+    grad = torch.randn(u.buckets["train"].padded_numel) * (1 + 10 * rank)
+    out = torch.empty(grad.numel() // N)
+    eng.route.reduce(u, grad, out).wait()
+    return {"approx": approx, "exact": exact, "grad": grad, "qgz": out}
+
+
+def test_quantized_collectives_alone():
+    res = zl.launch(collectives_alone, world_size=N)
+    exact, approx = res[0]["exact"], res[0]["approx"]
+    # int8 weights: each element within half a step of its 256-block's scale (max |w| / 127)
+    for lo in range(0, exact.numel(), exact.numel() // N):        # rank by rank: blocks start at each shard
+        piece = slice(lo, lo + exact.numel() // N)
+        for b in range(0, exact.numel() // N, 256):
+            e, a = exact[piece][b:b + 256], approx[piece][b:b + 256]
+            assert (e - a).abs().max() <= e.abs().max() / 127 / 2 * 1.0001
+    assert all(torch.equal(r["approx"], approx) for r in res), "every rank must compute with the same weights"
+    # int4 gradients, two hops: within half a step of each hop's blocks (max / 7), summed over the
+    # G rows added in the node and the M rows added across nodes; the exact sum for comparison
+    total = sum(r["grad"] for r in res)
+    node_max = max(sum(r["grad"] for r in res[n * G:(n + 1) * G]).abs().max() for n in range(M))
+    bound = (G * max(r["grad"].abs().max() for r in res) + M * node_max) / 7 / 2
+    for rank, r in enumerate(res):
+        shard = total.chunk(N)[rank]
+        err = (r["qgz"] - shard).abs().max()
+        assert err <= bound, (rank, err, bound)
+        assert err > 0                                        # it really was quantized
+    assert (res[0]["qgz"] - total.chunk(N)[1]).abs().max() > bound   # a wrong shard is caught
+
+
 # ------------------------------------------------------------------ bad input
 
 

@@ -123,7 +123,7 @@ class Route:
             t = self.topology
             return self.comm.all_gather(full, second, group=t.node_group, async_op=True,
                                         tag=f"gather2:{unit.name}")
-        if self.quantize_weights:
+        if self.quantize_weights and phase in ("forward", "backward"):   # not to read weights
             return self._quantized_gather(unit, kind, full)
         return self.comm.all_gather(full, unit.shard[kind], group=self.shard_group, async_op=True,
                                     tag=f"gather:{unit.name}")
