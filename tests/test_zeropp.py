@@ -147,9 +147,11 @@ def padded(n, k):
 
 
 def q_bytes(numel, bits):
-    """Bytes of `numel` values as codes + one fp32 scale per 256 (zerolab.quantize's layout)."""
-    blocks = -(-numel // 256)
-    return blocks * 256 * bits // 8 + 4 * blocks
+    """Bytes of `numel` values as codes + one fp32 scale per block: 256 weights (int8), 32
+    gradients (int4), as engines.zeropp chooses (the layout of zerolab.quantize)."""
+    block = 256 if bits == 8 else 32
+    blocks = -(-numel // block)
+    return blocks * block * bits // 8 + 4 * blocks
 
 
 def cross_bytes_per_node(case, b):
@@ -266,7 +268,7 @@ def test_checkpoints_cross_options_and_world_sizes(res, ckpt_dir):
 def test_bytes_of_a_quantized_payload_match_the_module():
     # the closed form above and zerolab.quantize agree on what a shard costs
     for n in (1, 255, 4097):
-        assert q_bytes(n, 8) == qz.wire_bytes(n, 8, 256) and q_bytes(n, 4) == qz.wire_bytes(n, 4, 256)
+        assert q_bytes(n, 8) == qz.wire_bytes(n, 8, 256) and q_bytes(n, 4) == qz.wire_bytes(n, 4, 32)
 
 
 def collectives_alone():
