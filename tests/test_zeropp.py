@@ -317,7 +317,17 @@ def test_quantized_collectives_alone():
 
 
 def bad_inputs():
-    msgs = {}
+    # fp16 with every ZeRO++ option: an overflow on one rank travels as int4 codes, and must
+    # still make every rank skip the step (quantize turns a non-finite block into NaNs)
+    eng = zl.ZeRO(model(), OPT, stage=3, topology=G, precision="fp16", **CASES["zero++"])
+    data = CharDataset(gpt_config("nano").block_size)
+    applied = []
+    for s in range(2):
+        _, loss = gpt_loss(eng, data.batch(s, B, zl.rank(), N))
+        eng.backward(loss * (float("inf") if s == 0 and zl.rank() == 1 else 1.0))
+        applied.append(eng.step())
+        eng.zero_grad()
+    msgs = {"applied": applied}
     for name, kw in (("node size", {"stage": 3, "topology": 3}),
                      ("stage 1", {"stage": 1, "quantize_weights": True}),
                      ("stage 2", {"stage": 2, "shard_group": "node"}),
@@ -334,6 +344,7 @@ def bad_inputs():
 
 def test_bad_input_is_refused_at_construction():
     msgs = zl.launch(bad_inputs, world_size=N)[0]
+    assert msgs["applied"] == [False, True], "an fp16 overflow on rank 1 must skip the step everywhere"
     assert "does not divide the world size 4" in msgs["node size"]
     assert "only stage 3" in msgs["stage 1"] and "only stage 3" in msgs["stage 2"]
     assert "secondary_partition must be None or 'node'" in msgs["hpZ value"]
