@@ -67,8 +67,9 @@ def faulty_run(kind, phase, who):
 
 
 CASES = [(k, p, w) for k in ("raise", "exit", "kill") for p in ("forward", "backward", "step") for w in (0, 1)]
+# a frozen rank is the same fault in any phase (it stops answering): backward, on either rank
 CASES += [("hang", "backward", 0), ("hang", "backward", 1), ("stop", "backward", 0),
-          ("stop", "backward", 1), ("stop", "forward", 0)]
+          ("stop", "backward", 1)]
 
 
 @pytest.mark.parametrize("kind, phase, who", CASES)
@@ -125,7 +126,7 @@ TORCHRUN_CASES = [("raise", 0, ["rank 0: RuntimeError: injected fault: rank 0 ra
                   # and stops rank 0 first (its failure summary: rank 1, signal 9)
                   ("kill", 1, ["Ranks that did not arrive: rank 1",
                                "rank      : 1 (local_rank: 1)\n  exitcode  : -9"]),
-                  ("hang", 0, ["Ranks that did not arrive: rank 0"]),
+                  # (a hanging rank 0 under torchrun: tests/test_hangs.py)
                   ("stop", 0, ["Ranks that did not arrive: rank 0"])]
 
 

@@ -197,7 +197,11 @@ class Unit:
         self.record(self, "gathering", phase)
         for kind, full in self.full.items():
             _storage_alloc(full)
-            self.handles[kind] = self.route.all_gather(self, kind, full, phase)
+            if self.route.plain:
+                self.handles[kind] = self.comm.all_gather(full, self.shard[kind], async_op=True,
+                                                          tag=f"gather:{self.name}")
+            else:                       # ZeRO++ / HSDP (chapter 12): quantized, node-local...
+                self.handles[kind] = self.route.all_gather(self, kind, full, phase)
 
     def wait(self, phase) -> float:
         """Block until gathered (gathering first if nobody did); return the seconds waited."""
@@ -249,7 +253,11 @@ class Unit:
             self.grad_full = torch.zeros(b.padded_numel, dtype=b.data.dtype, device=b.data.device)
         out = torch.empty(b.padded_numel // b.world_size, dtype=self.grad_full.dtype, device=b.data.device)
         self.record(self, "reduce_scatter", "backward")
-        self._rs = (self.route.reduce(self, self.grad_full, out), out)
+        if self.route.plain:
+            handle = self.comm.reduce_scatter(out, self.grad_full, async_op=True, tag=f"reduce:{self.name}")
+        else:                           # ZeRO++ / HSDP (chapter 12): int4 all-to-alls, + all-reduce
+            handle = self.route.reduce(self, self.grad_full, out)
+        self._rs = (handle, out)
 
     def finish_reduce(self):
         """Wait for the reduce-scatter; keep (or add to) the gradient shard, free the full gradient."""
