@@ -126,7 +126,7 @@ TORCHRUN_CASES = [("raise", 0, ["rank 0: RuntimeError: injected fault: rank 0 ra
                   # and stops rank 0 first (its failure summary: rank 1, signal 9)
                   ("kill", 1, ["Ranks that did not arrive: rank 1",
                                "rank      : 1 (local_rank: 1)\n  exitcode  : -9"]),
-                  # (a hanging rank 0 under torchrun: tests/test_hangs.py)
+                  # (a hanging rank under torchrun: tests/test_hangs.py; a silent rank 0: "stop")
                   ("stop", 0, ["Ranks that did not arrive: rank 0"])]
 
 
