@@ -71,7 +71,7 @@ def _engine(name, **kw):
 CURVES = ("qwZ", "qgZ", "qwZ+hpZ+qgZ")   # the options that change the numbers: trained long
 
 
-def train_options(steps=150, short=20, curves=CURVES, bf16_steps=2):
+def train_options(steps=120, short=10, curves=CURVES, bf16_steps=2):
     """Every option in one launch, on 2 pretend nodes of 2 ranks. fp32: the options in `curves`
     train `steps` steps, the others (ZeRO-3 and the exact options, hpZ and HSDP) `short` steps;
     step 1 of each is measured (bytes by link class and phase, memory). bf16: `bf16_steps`
@@ -99,7 +99,7 @@ def train_options(steps=150, short=20, curves=CURVES, bf16_steps=2):
     return out
 
 
-def single_reference(steps=150):
+def single_reference(steps=120):
     """One process on the global batch (N x B rows) with the same optimizer: ZeRO-3's losses
     (chapter 8 shows ZeRO-3 equals it to fp32 round-off), at a fraction of the cost."""
     from zerolab.engines.single import SingleProcess
