@@ -27,7 +27,6 @@ OPT = partial(torch.optim.AdamW, lr=3e-3)
 QW, HP, QG, HSDP = ({"quantize_weights": True}, {"secondary_partition": "node"},
                     {"quantize_gradients": True}, {"shard_group": "node"})
 OPTIONS = {"ZeRO-3": {}, "qwZ": QW, "hpZ": HP, "qgZ": QG, "qwZ+hpZ+qgZ": {**QW, **HP, **QG}, "HSDP": HSDP}
-QUANTIZED = ("qwZ", "qgZ", "qwZ+hpZ+qgZ")
 SMALL_TAGS = ("check", "used", "grad_norm")     # the engine's tiny bookkeeping collectives
 WEIGHT_BLOCK, GRAD_BLOCK = 256, 32               # as zerolab.engines.zeropp chooses
 
@@ -176,8 +175,8 @@ def measured_bytes(res, option, dtype="fp32", phase=None):
 
 
 def table(res):
-    """One row per option: bytes per node per step (measured, closed form) in fp32 and bf16,
-    model states per rank after forward and after the step, the last-50-step mean loss."""
+    """One row per option: bytes per node per step (measured, closed form) in fp32 and bf16, and
+    the largest rank's model states after forward and after the step (fp32)."""
     psi = sum(res[0]["units"])
     rows = []
     for name in OPTIONS:
