@@ -243,9 +243,13 @@ class ZeRO3(UnitSchedule, Engine):
                                               [u.buckets["train"].shard(self.rank) for u in train])
 
     def _publish(self):
+        for u in self._trained():
+            self._upload(u.shard["train"], u.master)
+
+    def _upload(self, shard, master):
+        # the fp32 master -> the compute shard (fp32: they are one tensor; offload: a host copy)
         if self.precision.policy.needs_master:
-            for u in self._trained():
-                u.shard["train"].copy_(u.master)
+            shard.copy_(master)
 
     def _drop_step_grads(self):
         if self.precision.policy.needs_master:
