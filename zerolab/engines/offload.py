@@ -297,11 +297,11 @@ def offloaded(stage: int, offload):
     if offload is None:
         raise ValueError("offload_dir= and delay_update= are options of offload: pass "
                          "offload='optimizer' (any stage) or offload='disk' (stage 3)")
-    check_offload(offload, "-" if offload == "disk" else None, False, stage)
+    if offload == "disk" and stage != 3:   # (the rest is checked by the engine's constructor)
+        check_offload(offload, "-", False, stage)
     if offload == "disk":
-        raise NotImplementedError(
-            "offload='disk' (ZeRO-Infinity's NVMe tier) is not implemented in zerolab yet: use "
-            "offload='optimizer', or DeepSpeed's offload_param / nvme_path (chapter 13)")
+        from .offload_disk import ZeRO3Disk
+        return ZeRO3Disk
     from .zero1 import ZeRO1
     from .zero2 import ZeRO2
     from .zero3 import ZeRO3

@@ -180,12 +180,16 @@ class ZeRO3(UnitSchedule, Engine):
             u.materialize(self.model, refs, init_fn, self.world_size, self.rank, self._src,
                           self.precision.compute_dtype, self.precision.policy.needs_master, group_of)
             self.units.append(u)
+            self._unit_built(u)
         self.param_unit = {id(p): u for u in self.units for b in u.buckets.values() for p in b.params}
         bufs = list(self.model.buffers())
         if any(b.device.type == "meta" for b in bufs):
             raise ValueError("meta-device buffers are not supported: build buffers on the CPU")
         if bufs:
             broadcast_from_rank0(bufs, self.comm, self._src)
+
+    def _unit_built(self, u):
+        """Called as each unit is built (offload='disk' pages it out at once)."""
 
     # -------------------------------------------------------------- forward and backward
     @contextlib.contextmanager
