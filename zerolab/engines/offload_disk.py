@@ -127,6 +127,7 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
             self.pager.out(u.key("master"), u.master.data)
         for kind, shard in u.shard.items():
             self.pager.out(u.key(kind), shard)
+        self.pager.flush()              # (or the next units would be built while this one is written)
 
     def _move_masters_to_host(self):
         self._dev = self._device_shards()   # (the masters were made on the host, unit by unit)
@@ -139,7 +140,8 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
             return
         i = order.index(u)
         ahead = [v for v in order[i + 1:] if v is not u and not (phase == "backward" and v.reduced)]
-        for v in ahead[:self.prefetch + 1]:
+        # the files one unit further ahead than the all-gathers (prefetch=0: nothing ahead)
+        for v in ahead[:self.prefetch + 1 if self.prefetch else 0]:
             for kind in v.full:
                 self.pager.fetch(v.key(kind))
 
@@ -185,7 +187,7 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
         # pass 1: the finite check and the squared norm, one gradient shard in memory at a time
         sums, sq, finite = [], torch.zeros(1, dtype=torch.float32), True
         for i, u in enumerate(train):
-            if i + 1 < len(train) and train[i + 1].grad_shard is not None:
+            if self.prefetch and i + 1 < len(train) and train[i + 1].grad_shard is not None:
                 self.pager.fetch(train[i + 1].key("grad"))
             g = self._grad_in(u).float()
             if inv is not None:
@@ -213,11 +215,9 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
         # pass 2: each unit's update, reading the next unit's files meanwhile
         held = self._held_ranges()
         for i, u in enumerate(train):
-            if i + 1 < len(train):
+            if self.prefetch and i + 1 < len(train):
                 self._fetch_unit(train[i + 1], i + 1, self._step_names(i + 1, train[i + 1]))
             self._update_unit(i, u, inv, coef, held)
-            if u.grad_shard is not None:
-                self.pager.out(u.key("grad"), u.grad_shard, dirty=False)
         self._sums = None
         self.precision.update(found_inf=False)
         return True
@@ -230,6 +230,9 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
     def _update_unit(self, i, u, inv, coef, held):
         g = self._grad_in(u)
         down = self.transfers.copy(host_empty(g.shape, g.dtype), g, "d2h", tag=f"grad{i}").float()
+        if u.grad_shard is not None:    # (freed now: the host copy is what the step reads)
+            self.pager.out(u.key("grad"), u.grad_shard, dirty=False)
+        del g
         if inv is not None:
             down.mul_(inv)
         if coef < 1.0:
@@ -247,14 +250,15 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
         if self._group_views is not None:
             self._group_views.drop_grads()
         master.grad = None
+        del down
         for name, v in self._state(i, u):   # (the first step creates the state here)
             if name not in self.pager.resident:
                 self.pager.adopt(name, v)
             self.pager.out(name, v)
         shard = self.pager.new(u.key("train"), u.shard["train"])
         self._upload(shard, master)
-        self.pager.out(u.key("train"), shard)
         self.pager.out(u.key("master"), master.data)
+        self.pager.out(u.key("train"), shard)
 
     def _release_grads(self):
         for u in self.units:

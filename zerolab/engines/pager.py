@@ -95,7 +95,7 @@ class Pager:
         self._done: dict = {}           # name -> Event set when its queued read is finished
         self._errors: list = []
         self.busy_s = 0.0               # seconds the I/O thread spent reading and writing
-        self.wait_s = 0.0               # seconds the main thread spent blocked on reads
+        self.wait_s = 0.0               # seconds the main thread spent blocked on the I/O thread
         self._jobs: queue.Queue = queue.Queue()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._work, name="zerolab-pager", daemon=True)
@@ -119,13 +119,21 @@ class Pager:
                 if kind == "write":
                     write_file(self.path(name), t)
                     _free(t)
-                else:
-                    _alloc(t)
+                else:                   # (its memory was allocated by fetch, on the main thread)
                     read_file(self.path(name), t)
             except BaseException as e:   # re-raised on the main thread by wait() / flush()
                 self._errors.append(e)
             self.busy_s += time.perf_counter() - t0
             done.set()
+
+    def _wait_for(self, name: str) -> None:
+        """Block until the job queued for `name` (if any) is done; the time counts as waited."""
+        done = self._done.pop(name, None)
+        if done is not None and not done.is_set():
+            t0 = time.perf_counter()
+            done.wait()
+            self.wait_s += time.perf_counter() - t0
+        self._check()
 
     def _check(self):
         if self._errors:
@@ -134,9 +142,7 @@ class Pager:
     # -------------------------------------------------------------- the main thread's side
     def out(self, name: str, t: torch.Tensor, dirty: bool = True) -> None:
         """Page t out: write it (if dirty or never written) and free its memory."""
-        pending = self._done.pop(name, None)
-        if pending is not None:         # a read still filling it (a prefetch nobody used)
-            pending.wait()
+        self._wait_for(name)            # a read still filling it (a prefetch nobody used)
         self.tensors[name] = t
         self.resident.discard(name)
         self._done.pop(name, None)
@@ -154,30 +160,27 @@ class Pager:
             return
         if name not in self.on_disk:
             raise KeyError(f"pager: {name!r} was never paged out")
+        self._wait_for(name)            # (a write of it still queued: let it finish first)
+        t = self.tensors[name]
+        # allocate here, not on the I/O thread: memory allocated by one thread and freed by
+        # another stays in the first thread's malloc arena, and the resident set grows
+        _alloc(t)
         done = threading.Event()
         self._done[name] = done
-        self.resident.add(name)         # (its storage is only valid after wait)
-        self._jobs.put(("read", name, self.tensors[name], done))
+        self.resident.add(name)         # (its values are only valid after wait)
+        self._jobs.put(("read", name, t, done))
 
     def wait(self, name: str) -> torch.Tensor:
         """Block until `name` is in memory (fetching it if nobody did); return its tensor."""
         self.fetch(name)
-        done = self._done.pop(name, None)
-        if done is not None:
-            t0 = time.perf_counter()
-            done.wait()
-            self.wait_s += time.perf_counter() - t0
-        self._check()
+        self._wait_for(name)
         return self.tensors[name]
 
     def new(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """Give a paged-out tensor memory WITHOUT reading it (it is about to be overwritten)."""
         if name in self.resident:
             return self.wait(name)
-        pending = self._done.pop(name, None)
-        if pending is not None:         # its write must finish before the storage comes back
-            pending.wait()
-        self._check()
+        self._wait_for(name)            # its write must finish before the storage comes back
         _alloc(t)
         self.tensors[name] = t
         self.resident.add(name)
@@ -186,18 +189,14 @@ class Pager:
     def adopt(self, name: str, t: torch.Tensor) -> None:
         """Register t, resident, under `name` (a tensor made in memory: new optimizer state, or
         one a checkpoint load put in place of the paged one); its file is now stale."""
-        pending = self._done.pop(name, None)
-        if pending is not None:
-            pending.wait()
+        self._wait_for(name)
         self.tensors[name] = t
         self.resident.add(name)
         self.on_disk.discard(name)
 
     def forget(self, name: str) -> None:
         """Drop `name` (its file too): a gradient after the step that used it."""
-        pending = self._done.pop(name, None)
-        if pending is not None:
-            pending.wait()
+        self._wait_for(name)
         self.tensors.pop(name, None)
         self.resident.discard(name)
         if name in self.on_disk:
@@ -207,8 +206,7 @@ class Pager:
     def flush(self) -> None:
         """Wait for every queued read and write."""
         for name in list(self._done):
-            self._done.pop(name).wait()
-        self._check()
+            self._wait_for(name)
 
     def io(self) -> dict:
         """Bytes the I/O thread has read and written so far ({'read': rchar, 'written': wchar})."""
