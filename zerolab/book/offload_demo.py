@@ -82,34 +82,39 @@ def train_measured(mode, offload_dir=None, *, n_layer=24, n_embd=256, steps=4, p
     reset_peak()
     eng = zl.ZeRO(model, OPT, stage=3, prefetch=prefetch, init_fn=gpt_init(n_layer), **kw)
     hwm = [(status_kib("VmHWM") - base) * 1024]
-    losses, times, waits, busy, io = [], [], [], [], []
+    losses, times, fb_times, waits, fb_waits, busy, io = [], [], [], [], [], [], []
+    pager = getattr(eng, "pager", None)
     for s in range(steps):
-        pager = getattr(eng, "pager", None)
         w0, b0 = (pager.wait_s, pager.busy_s) if pager else (0.0, 0.0)
         io0 = eng.disk_io() if pager else None
         t0 = time.perf_counter()
         loss = gpt_loss(eng, batches[s])[1]
         eng.backward(loss)
+        t1 = time.perf_counter()
+        w1 = pager.wait_s if pager else 0.0
         eng.step()
         eng.zero_grad()
         if pager:
             pager.flush()               # the step's writes belong to the step
         times.append(time.perf_counter() - t0)
+        fb_times.append(t1 - t0)
         hwm.append((status_kib("VmHWM") - base) * 1024)
         losses.append(loss.item())
         if pager:
             io1 = eng.disk_io()
             waits.append(pager.wait_s - w0)
+            fb_waits.append(w1 - w0)
             busy.append(pager.busy_s - b0)
             io.append((io1["read"] - io0["read"], io1["written"] - io0["written"]))
     psi = sum(p.numel() for p in model.parameters())
     out = {"mode": mode, "psi": psi, "k": shard_numel(model, n), "losses": losses, "times": times,
            "growth": (status_kib("VmHWM") - base) * 1024, "hwm": hwm, "states": 16 * psi // n,
-           "disk_wait": waits, "disk_busy": busy, "disk_io": io,
-           "transfers": (eng.transfers.bytes("d2h"), eng.transfers.bytes("h2d")) if mode != "memory" else (0, 0),
-           "memory": eng.memory_report()}
-    if hasattr(eng, "pager"):
-        eng.pager.close()
+           "fb_times": fb_times, "disk_wait": waits, "fb_disk_wait": fb_waits, "disk_busy": busy, "disk_io": io,
+           "transfers": [b // steps for b in (eng.transfers.bytes("d2h"), eng.transfers.bytes("h2d"))]
+           if mode != "memory" else [0, 0],
+           "network": eng.comm.bytes() // steps, "memory": eng.memory_report(), "prefetch": prefetch}
+    if pager:
+        pager.close()
     return out
 
 
@@ -120,3 +125,55 @@ def budget_worker(offload_dir, n_layer=24, n_embd=256, steps=3):
                           steps=steps)
     memory = train_measured("memory", n_layer=n_layer, n_embd=n_embd, steps=steps)
     return {"disk": disk, "memory": memory}
+
+
+def modes_worker(offload_dir, n_layer=24, n_embd=256, steps=3):
+    """Chapter 13's table: the same training in every mode, one after the other in one process
+    (with return_freed_memory, each run's resident-set growth is its own): offload="disk" with
+    prefetch 1 and 0, offload="optimizer", and in memory."""
+    runs = {}
+    for name, mode, prefetch in (("disk", "disk", 1), ("disk, prefetch=0", "disk", 0),
+                                 ("optimizer", "optimizer", 1), ("memory", "memory", 1)):
+        runs[name] = train_measured(mode, os.path.join(offload_dir, name.replace(", ", "-").replace("=", "")),
+                                    n_layer=n_layer, n_embd=n_embd, steps=steps, prefetch=prefetch)
+    return runs
+
+
+def bytes_worker(offload_dir):
+    """Bytes per step (the second step: the first has no optimizer state to read) of the nano
+    GPT in bf16 at N ranks: device<->host copies, disk reads and writes, and the network, for
+    offload="optimizer" at stages 1-3 and offload="disk" at stage 3, with memory_report's
+    device / host split. Beside them the closed forms, from parameter counts."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    out = {}
+    for stage, mode in ((1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "disk")):
+        model = GPT(gpt_config("nano", bias=False))
+        data = CharDataset(model.cfg.block_size)
+        kw = {"offload": mode}
+        if mode == "disk":
+            kw["offload_dir"] = os.path.join(offload_dir, f"stage{stage}")
+        eng = zl.ZeRO(model, OPT, stage=stage, precision="bf16", bucket_mb=25.0, **kw)
+        for s in range(2):
+            io0 = eng.disk_io() if mode == "disk" else None
+            eng.transfers.reset()
+            eng.comm.reset()
+            eng.backward(gpt_loss(eng, data.batch(s, 2, rank, n))[1])
+            eng.step()
+            eng.zero_grad()
+            io1 = eng.disk_io() if mode == "disk" else None
+        psi = sum(p.numel() for p in model.parameters())
+        k = shard_numel(model, n) if stage == 3 else math.ceil(psi / n)
+        out[(stage, mode)] = {
+            "k": k, "psi": psi,
+            "d2h": eng.transfers.bytes("d2h"), "h2d": eng.transfers.bytes("h2d"),
+            "read": io1["read"] - io0["read"] if io0 else 0,
+            "written": io1["written"] - io0["written"] if io0 else 0,
+            "network": eng.comm.bytes(), "memory": eng.memory_report(),
+            "files": files_bytes(eng.pager.directory) if mode == "disk" else 0}
+    return out
+
+
+def files_bytes(directory) -> int:
+    """Bytes in this rank's offload files (the .bin files; a .tmp is a write in progress)."""
+    return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory) if f.endswith(".bin"))

@@ -167,13 +167,11 @@ class OptimizerOffload:
         # the optimizer holds the masters, or one view per parameter group of them
         new_of = {id(m): h for m, h in zip(old, host)}
         views = self._group_views
-        if views is not None:
-            index = {id(m): i for i, m in enumerate(old)}
+        if views is not None:           # (views.views: (view, master index, lo, hi))
             for k, (view, i, lo, hi) in enumerate(views.views):
                 new_of[id(view)] = host[i].detach()[lo:hi]
                 views.views[k] = (new_of[id(view)], i, lo, hi)
             views.masters = self.masters if self.stage == 3 else self.master_shards
-            assert all(index[id(m)] == i for i, m in enumerate(old))
         for group in self.optimizer.param_groups:
             group["params"] = [new_of[id(t)] for t in group["params"]]
 

@@ -124,13 +124,19 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
             h = host_empty(u.master.shape, torch.float32)
             h.copy_(u.master.detach())
             u.master = nn.Parameter(h)
-            self.pager.out(u.key("master"), u.master.data)
+            # with several parameter groups the engine next cuts views of each master (one per
+            # group), which needs its memory: those masters go to their files once it has
+            if len(self.optimizer.param_groups) == 1:
+                self.pager.out(u.key("master"), u.master.data)
         for kind, shard in u.shard.items():
             self.pager.out(u.key(kind), shard)
         self.pager.flush()              # (or the next units would be built while this one is written)
 
     def _move_masters_to_host(self):
         self._dev = self._device_shards()   # (the masters were made on the host, unit by unit)
+        for u in self._trained():
+            if u.key("master") not in self.pager.on_disk:
+                self.pager.out(u.key("master"), u.master.data)
         self.pager.flush()
 
     # -------------------------------------------------------------- reading ahead
