@@ -7,6 +7,9 @@
   computed from the model's parameter counts, never from the engine;
 * memory: memory_report()'s "host" bytes against 12 bytes per element of the shard;
 * delay_update: against a single-process torch loop built by hand with the lag;
+* offload="disk": the same parity, disk bytes from /proc against their closed form, a GPT 4x a
+  memory budget, a kill in the middle of a write, a full or read-only offload_dir;
+* checkpoints: save, load into a fresh engine, resume: bit for bit the uninterrupted run;
 * bad input: clear errors before anything is built.
 
 The closed form. Each rank owns Psi_pad / N elements: with one flat bucket (stages 1 and 2)
@@ -94,12 +97,38 @@ def same(a, b) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def resume_run(root, stage, mode, resume):
+    """bf16, 4 steps; a checkpoint after step 2 (zl.checkpoint); resume=True: a fresh engine
+    loads it and trains steps 3 and 4."""
+    from zerolab import checkpoint
+    rank, n = dist.get_rank(), dist.get_world_size()
+    model, data, loss_fn, B = build("gpt", 0)
+    kw = {"offload": mode}
+    if mode == "disk":
+        kw["offload_dir"] = os.path.join(root, f"resume{stage}{resume}")
+    eng = zl.ZeRO(model, OPT, stage=stage, precision="bf16", **kw)
+    path = os.path.join(root, f"ckpt{stage}{mode}")
+    if resume:
+        checkpoint.load(eng, path)
+    for s in range(2 if resume else 0, 4):
+        eng.backward(loss_fn(eng, data.batch(s, B, rank, n))[1])
+        eng.step()
+        eng.zero_grad()
+        if s == 1 and not resume:
+            checkpoint.save(eng, path)
+    return eng.full_state_dict()
+
+
 def worker(root, n):
     """Every case of world size n in one launch: parity at every n; bytes at n = 2 (the closed
     form covers any n, one is enough); the delayed update at n = 1 (its reference is one process)."""
     out = {}
     if n == 1:
         out["delayed"] = [delayed_run(stage) for stage in (1, 2, 3)]
+    if n == 2:                          # a checkpoint (optimizer state included) and a resume
+        for stage, mode in ((2, "optimizer"), (3, "disk")):
+            out[("resume", stage, mode)] = same(resume_run(root, stage, mode, False),
+                                                resume_run(root, stage, mode, True))
     where = os.path.join(root, "case")
     for stage in (1, 2, 3):
         modes = ["optimizer"] + (["disk"] if stage == 3 else [])
@@ -177,6 +206,12 @@ def test_bytes_down_and_up_per_step_are_the_closed_form(n):
                 # counter per tensor the optimizer updates; the device keeps the rest
                 assert memory["host"] == 12 * k + 4 * opt_tensors, (stage, memory, k)
                 assert memory["device"] == memory["total"] - memory["host"] > 0
+
+
+def test_a_checkpoint_of_an_offloaded_engine_resumes_bit_for_bit():
+    for rank_out in results(2):
+        for stage, mode in ((2, "optimizer"), (3, "disk")):
+            assert rank_out[("resume", stage, mode)], f"stage {stage}, offload={mode}: resume differs"
 
 
 def delayed_run(stage, steps=4):

@@ -8,7 +8,8 @@ even the shards leave memory: each unit's parameter shard (compute dtype), fp32 
 optimizer state (Adam's two moments) and reduced gradient shard live in files under
 offload_dir/rank<r>/ (zerolab.engines.pager: one I/O thread, atomic writes, byte counts from
 /proc). What is in memory at any moment is the unit being computed, the units being gathered
-ahead of it, and the one being read ahead of those:
+ahead of it, and the one being read ahead of those (prefetch=0: each file is read only when
+its unit needs it, so nothing is ahead, and nothing of the disk's time is hidden):
 
 * forward and backward: a unit's parameter shard is read just before its all-gather (the
   reader thread started reading it while the unit before it computed: one unit ahead of the
@@ -52,7 +53,8 @@ from .zero3 import ZeRO3
 
 def check_offload_dir(offload_dir, model) -> None:
     """A clear error before anything is built: the directory must be creatable, writable, and
-    hold this run's files (about 16 bytes per parameter per node, 20 in fp32, with margin)."""
+    hold this run's files: 20 bytes per parameter in fp32 over all ranks (parameter, master,
+    two moments, gradient), 24 asked for (a .tmp file beside each one being rewritten)."""
     try:
         os.makedirs(offload_dir, exist_ok=True)
         probe = os.path.join(offload_dir, f".zerolab-probe-{os.getpid()}")
@@ -168,7 +170,8 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
             return [self.masters[i]]
         return [v for v, j, _, _ in views.views if j == i]
 
-    def _fetch_unit(self, u, i, names):
+    def _fetch_unit(self, names):
+        """Start reading the files among `names` that exist (the first step has no state yet)."""
         for name in names:
             if name in self.pager.on_disk:
                 self.pager.fetch(name)
@@ -222,7 +225,7 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
         held = self._held_ranges()
         for i, u in enumerate(train):
             if self.prefetch and i + 1 < len(train):
-                self._fetch_unit(train[i + 1], i + 1, self._step_names(i + 1, train[i + 1]))
+                self._fetch_unit(self._step_names(i + 1, train[i + 1]))
             self._update_unit(i, u, inv, coef, held)
         self._sums = None
         self.precision.update(found_inf=False)
@@ -331,6 +334,3 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
         """Bytes this rank's I/O thread has read and written (from /proc), after the queue drains."""
         self.pager.flush()
         return self.pager.io()
-
-    def host_tensors(self) -> list:
-        return super().host_tensors()   # (paged-out tensors hold 0 bytes and count nothing)
