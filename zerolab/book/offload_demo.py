@@ -84,7 +84,10 @@ def train_measured(mode, offload_dir=None, *, n_layer=24, n_embd=256, steps=4, p
     hwm = [(status_kib("VmHWM") - base) * 1024]
     losses, times, fb_times, waits, fb_waits, busy, io = [], [], [], [], [], [], []
     pager = getattr(eng, "pager", None)
+    timeline = None
     for s in range(steps):
+        if pager and s == steps - 1:    # the last step's file I/O and waits, for a timeline
+            pager.trace = []
         w0, b0 = (pager.wait_s, pager.busy_s) if pager else (0.0, 0.0)
         io0 = eng.disk_io() if pager else None
         t0 = time.perf_counter()
@@ -100,6 +103,9 @@ def train_measured(mode, offload_dir=None, *, n_layer=24, n_embd=256, steps=4, p
         fb_times.append(t1 - t0)
         hwm.append((status_kib("VmHWM") - base) * 1024)
         losses.append(loss.item())
+        if pager and pager.trace is not None:
+            timeline = {"start": t0, "backward_end": t1, "end": t0 + times[-1], "events": pager.trace}
+            pager.trace = None
         if pager:
             io1 = eng.disk_io()
             waits.append(pager.wait_s - w0)
@@ -112,7 +118,8 @@ def train_measured(mode, offload_dir=None, *, n_layer=24, n_embd=256, steps=4, p
            "fb_times": fb_times, "disk_wait": waits, "fb_disk_wait": fb_waits, "disk_busy": busy, "disk_io": io,
            "transfers": [b // steps for b in (eng.transfers.bytes("d2h"), eng.transfers.bytes("h2d"))]
            if mode != "memory" else [0, 0],
-           "network": eng.comm.bytes() // steps, "memory": eng.memory_report(), "prefetch": prefetch}
+           "network": eng.comm.bytes() // steps, "memory": eng.memory_report(), "prefetch": prefetch,
+           "timeline": timeline}
     if pager:
         pager.close()
     return out

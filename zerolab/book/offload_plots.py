@@ -60,3 +60,26 @@ def step_time(runs: dict):
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False, fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def timeline(runs: dict):
+    """One step from disk, per run (e.g. prefetch 1 and 0): the main thread (forward + backward,
+    then the step; black: blocked on the disk) above the I/O thread (green: reads, purple:
+    writes). A read drawn under blue or orange was hidden behind compute."""
+    fig, axes = plt.subplots(len(runs), 1, figsize=(8.5, 1.5 * len(runs) + 0.6), sharex=True)
+    axes = [axes] if len(runs) == 1 else list(axes)
+    for ax, (label, t) in zip(axes, runs.items()):
+        t0 = t["start"]
+        ax.broken_barh([(0, t["backward_end"] - t0)], (1.1, 0.8), color="#4c72b0")
+        ax.broken_barh([(t["backward_end"] - t0, t["end"] - t["backward_end"])], (1.1, 0.8), color="#dd8452")
+        for what, color, lane in (("wait", "k", 1.1), ("read", "#55a868", 0.1), ("write", "#8172b2", 0.1)):
+            spans = [(a - t0, b - a) for kind, _, a, b in t["events"] if kind == what]
+            ax.broken_barh(spans, (lane, 0.8), color=color)
+        ax.set_yticks([0.5, 1.5], ["I/O thread", "main thread"])
+        ax.set_title(label, fontsize=9, loc="left")
+    axes[-1].set_xlabel("seconds since the step began")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#4c72b0", "#dd8452", "k", "#55a868", "#8172b2")]
+    fig.legend(handles, ["forward + backward", "step", "waiting for the disk", "read", "write"],
+               loc="lower center", ncol=5, frameon=False, fontsize=8)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    return fig

@@ -96,6 +96,7 @@ class Pager:
         self._errors: list = []
         self.busy_s = 0.0               # seconds the I/O thread spent reading and writing
         self.wait_s = 0.0               # seconds the main thread spent blocked on the I/O thread
+        self.trace = None               # a list to record (what, name, start, end) in: timelines
         self._jobs: queue.Queue = queue.Queue()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._work, name="zerolab-pager", daemon=True)
@@ -123,7 +124,10 @@ class Pager:
                     read_file(self.path(name), t)
             except BaseException as e:   # re-raised on the main thread by wait() / flush()
                 self._errors.append(e)
-            self.busy_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.busy_s += t1 - t0
+            if self.trace is not None:
+                self.trace.append((kind, name, t0, t1))
             done.set()
 
     def _wait_for(self, name: str) -> None:
@@ -132,7 +136,10 @@ class Pager:
         if done is not None and not done.is_set():
             t0 = time.perf_counter()
             done.wait()
-            self.wait_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.wait_s += t1 - t0
+            if self.trace is not None:
+                self.trace.append(("wait", name, t0, t1))
         self._check()
 
     def _check(self):
