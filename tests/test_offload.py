@@ -265,6 +265,7 @@ BAD = [
     (dict(stage=2, offload_dir="/tmp"), ValueError, "options of offload"),
     (dict(stage=1, delay_update=True), ValueError, "options of offload"),
     (dict(stage=1, offload="optimizer", delay_update=1), TypeError, "delay_update must be True or False"),
+    (dict(stage=3, offload="disk", offload_dir="/tmp", delay_update=True), ValueError, "needs offload='optimizer'"),
 ]
 
 
