@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import shutil
 import time
 from functools import partial
 
@@ -122,6 +123,7 @@ def train_measured(mode, offload_dir=None, *, n_layer=24, n_embd=256, steps=4, p
            "timeline": timeline}
     if pager:
         pager.close()
+        shutil.rmtree(offload_dir, ignore_errors=True)   # a demo's files: hundreds of MB
     return out
 
 

@@ -17,8 +17,9 @@ else crosses the bus: forward and backward run on the device as without offload,
 collective (reduce-scatter, all-gather) moves the same bytes as before.
 
 How it fits the engines: OptimizerOffload is a mixin placed before ZeRO1, ZeRO2 or ZeRO3. After
-the engine is built it gives every master shard a host twin (pinned when CUDA is present, so
-copies can be asynchronous) and points the optimizer at the twins; the device keeps only the
+the engine is built it gives every master shard a host twin (pinned when CUDA is present: a
+copy from pinned memory runs by DMA at the bus's full speed; zerolab still waits for each one,
+so its seconds are the copy's) and points the optimizer at the twins; the device keeps only the
 compute copy. Then two steps of the engine's step template change and nothing else:
 
     _step_grads   copy each gradient shard down (counted), cast it to fp32 ON THE HOST
@@ -34,7 +35,9 @@ apart from `engine.comm`, the ledger of the network. memory_report() adds "devic
 
 On a machine without an accelerator, "device" and "host" are the same RAM. The copies are
 still made (separate tensors) and counted: the data flow is the one a GPU would run, and the
-bytes are the bytes a PCIe bus would carry; only the seconds are not a bus's seconds.
+bytes are the bytes a PCIe bus would carry; only the seconds are not a bus's seconds. (The
+tests run on CPU with gloo; the CUDA details here, pinning and synchronising, have not yet run
+on a GPU.)
 
 delay_update=True is ZeRO-Offload's one-step delayed parameter update (DPU): step() moves the
 gradients down, checks and clips them, then starts the optimizer on a background thread and
