@@ -13,6 +13,8 @@ Each engine is a small change of the one before it:
     zero2.ZeRO2         ZeRO-1, but the full gradient is freed as soon as it is reduced
     zero3.ZeRO3         parameters sharded too, gathered unit by unit (units.Unit; when:
                         zero3_schedule)
+    offload.*           ZeRO-Offload: any stage, masters and optimizer state in host memory;
+                        stage 3 with offload="disk": shards in files (offload_disk)
 
 The command line's --strategy, the benchmark and the chapters all build their engines here, so
 a name means the same engine everywhere; zl.ZeRO(stage=k) picks among the three ZeRO stages.
@@ -47,7 +49,9 @@ def make(name: str, model, optimizer, **options):
 
 def ZeRO(model, optimizer, *, stage=None, **options):
     """zl.ZeRO(model, optimizer, stage=1 | 2 | 3, ...): the ZeRO engine of that stage
-    (ZeRO1, ZeRO2 or ZeRO3), with the same options for every stage."""
+    (ZeRO1, ZeRO2 or ZeRO3), with the same options for every stage; offload="optimizer" (any
+    stage) or "disk" (stage 3, with offload_dir=) moves model states off the device
+    (zerolab.engines.offload)."""
     if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (1, 2, 3):
         raise ValueError(f"stage must be 1 (shard optimizer state), 2 (also gradients) or 3 (also "
                          f"parameters); got {stage!r}")
@@ -56,4 +60,13 @@ def ZeRO(model, optimizer, *, stage=None, **options):
     if stage != 3 and given:
         raise ValueError(f"{', '.join(given)}: ZeRO++ and HSDP options act on sharded parameters, "
                          f"which only stage 3 has; got stage={stage}. Use stage=3 (or drop the options).")
+    offload = options.pop("offload", None)
+    if offload is not None or options.get("offload_dir") is not None or options.get("delay_update"):
+        if given:
+            raise ValueError(f"offload with {', '.join(given)}: offloading and ZeRO++ / HSDP are not "
+                             "supported together; choose one.")
+        from .offload import offloaded      # ZeRO-Offload / ZeRO-Infinity (engines.offload)
+        return offloaded(stage, offload)(model, optimizer, offload=offload, **options)
+    options.pop("offload_dir", None)
+    options.pop("delay_update", None)
     return make(f"zero{stage}", model, optimizer, **options)

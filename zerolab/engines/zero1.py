@@ -143,10 +143,15 @@ class ZeRO1(DDP):
     def _publish(self):
         for b, bucket in enumerate(self.buckets.buckets):
             mine = bucket.data[self.shards[b]]
-            if self.precision.policy.needs_master:
-                mine.copy_(self.master_shards[b])      # cast the updated fp32 slice
+            self._upload(mine, self.master_shards[b])
             # every rank gathers every slice (the input is a copy: it must not alias the output)
             self.comm.all_gather(bucket.data, mine.clone(), tag=f"param{b}")
+
+    def _upload(self, mine, master):
+        """The updated fp32 master slice -> this rank's slice of the compute copy: a cast in
+        bf16/fp16; nothing in fp32, where the master IS the slice (offload: a host copy goes up)."""
+        if self.precision.policy.needs_master:
+            mine.copy_(master)
 
     def _release_grads(self):
         self.buckets.release_grads()

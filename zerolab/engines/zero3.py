@@ -191,12 +191,16 @@ class ZeRO3(UnitSchedule, Engine):
             u.materialize(self.model, refs, init_fn, self.route.shard_size, self.shard_rank, self._src,
                           self.precision.compute_dtype, self.precision.policy.needs_master, group_of)
             self.units.append(u)
+            self._unit_built(u)
         self.param_unit = {id(p): u for u in self.units for b in u.buckets.values() for p in b.params}
         bufs = list(self.model.buffers())
         if any(b.device.type == "meta" for b in bufs):
             raise ValueError("meta-device buffers are not supported: build buffers on the CPU")
         if bufs:
             broadcast_from_rank0(bufs, self.comm, self._src)
+
+    def _unit_built(self, u):
+        """Called as each unit is built (offload='disk' pages it out at once)."""
 
     # -------------------------------------------------------------- forward and backward
     @contextlib.contextmanager
@@ -254,9 +258,13 @@ class ZeRO3(UnitSchedule, Engine):
                                               [u.buckets["train"].shard(self.shard_rank) for u in train])
 
     def _publish(self):
+        for u in self._trained():
+            self._upload(u.shard["train"], u.master)
+
+    def _upload(self, shard, master):
+        # the fp32 master -> the compute shard (fp32: they are one tensor; offload: a host copy)
         if self.precision.policy.needs_master:
-            for u in self._trained():
-                u.shard["train"].copy_(u.master)
+            shard.copy_(master)
 
     def _drop_step_grads(self):
         if self.precision.policy.needs_master:

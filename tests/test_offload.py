@@ -1,0 +1,375 @@
+"""zl.ZeRO(offload="optimizer") against independent references.
+
+* parity: stages 1, 2, 3 with offload equal the SAME engine without offload, bit for bit
+  (torch.equal), at N = 1, 2, 4, in fp32 with gradient accumulation and clipping, and in fp16
+  with an overflow on one rank (every rank skips the same step);
+* bytes: the device <-> host ledger (engine.transfers) per step against the closed form below,
+  computed from the model's parameter counts, never from the engine;
+* memory: memory_report()'s "host" bytes against 12 bytes per element of the shard;
+* delay_update: against a single-process torch loop built by hand with the lag;
+* offload="disk": the same parity, disk bytes from /proc against their closed form, a GPT 4x a
+  memory budget, a kill in the middle of a write, a full or read-only offload_dir;
+* checkpoints: save, load into a fresh engine, resume: bit for bit the uninterrupted run;
+* bad input: clear errors before anything is built.
+
+The closed form. Each rank owns Psi_pad / N elements: with one flat bucket (stages 1 and 2)
+Psi_pad / N = ceil(Psi / N); stage 3 pads every unit (each GPT block, and the root: the rest)
+on its own, so Psi_pad / N = sum over units of ceil(Psi_u / N). Per step:
+
+    d2h = (Psi_pad / N) * bytes of the reduced gradient
+          (the compute dtype, or fp32 where micro-batches accumulate in fp32: stages 2 and 3)
+    h2d = (Psi_pad / N) * bytes of the compute dtype
+
+One launch per world size runs every case (ranks are slow to start on a shared CPU).
+"""
+
+import math
+import os
+import re
+import shutil
+import tempfile
+from functools import lru_cache, partial
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerolab as zl
+from zerolab.data import CharDataset, SyntheticRegression
+from zerolab.models import GPT, AwkwardModel, gpt_config, gpt_loss, regression_loss
+
+OPT = partial(torch.optim.AdamW, lr=1e-3, eps=1e-6, weight_decay=0.1)
+STEPS = 3
+
+
+def grouped(params):
+    """Two parameter groups (decay / no decay): the optimizer holds views of the flat shards."""
+    params = list(params)
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=1e-3, eps=1e-6)
+
+
+def build(kind, seed):
+    torch.manual_seed(seed)
+    if kind == "gpt":
+        return GPT(gpt_config("nano", bias=False)), CharDataset(32), gpt_loss, 2
+    return AwkwardModel(), SyntheticRegression(d_in=13, d_out=5), regression_loss, 3
+
+
+def train(stage, precision, offload, *, kind="gpt", micro=1, clip=None, inf_step=None,
+          bucket_mb=0.02, steps=STEPS, offload_dir=None, opt=OPT):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    model, data, loss_fn, B = build(kind, 0 if rank == 0 else 100 + rank)
+    kw = {"offload": "optimizer"} if offload else {}
+    if offload == "disk":
+        kw = {"offload": "disk", "offload_dir": offload_dir}
+    eng = zl.ZeRO(model, opt, stage=stage, precision=precision, bucket_mb=bucket_mb,
+                  max_grad_norm=clip, **kw)
+    applied, moved, norms, disk = [], [], [], []
+    for s in range(steps):
+        io0 = eng.disk_io() if offload == "disk" else None
+        x, y = data.batch(s, B * micro, rank, n)
+        for m in range(micro):
+            loss = loss_fn(eng, (x[m * B:(m + 1) * B], y[m * B:(m + 1) * B]))[1] / micro
+            if s == inf_step and rank == n - 1:
+                loss = loss * float("inf")
+            if m < micro - 1:
+                with eng.no_sync():
+                    eng.backward(loss)
+            else:
+                eng.backward(loss)
+        if offload:
+            eng.transfers.reset()
+        applied.append(eng.step())
+        norms.append(eng.last_grad_norm)
+        if offload:
+            moved.append((eng.transfers.bytes("d2h"), eng.transfers.bytes("h2d")))
+        eng.zero_grad()
+        if offload == "disk":           # disk bytes of this whole step (forward, backward, step)
+            io = eng.disk_io()
+            disk.append((io["read"] - io0["read"], io["written"] - io0["written"]))
+    return {"state": eng.full_state_dict(), "applied": applied, "moved": moved, "norms": norms, "disk": disk,
+            "memory": eng.memory_report(), "opt_tensors": len(eng.optimizer.state)}
+
+
+def same(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def resume_run(root, stage, mode, resume):
+    """bf16, 4 steps; a checkpoint after step 2 (zl.checkpoint); resume=True: a fresh engine
+    loads it and trains steps 3 and 4."""
+    from zerolab import checkpoint
+    rank, n = dist.get_rank(), dist.get_world_size()
+    model, data, loss_fn, B = build("gpt", 0)
+    kw = {"offload": mode}
+    if mode == "disk":
+        kw["offload_dir"] = os.path.join(root, f"resume{stage}{resume}")
+    eng = zl.ZeRO(model, OPT, stage=stage, precision="bf16", **kw)
+    path = os.path.join(root, f"ckpt{stage}{mode}")
+    if resume:
+        checkpoint.load(eng, path)
+    for s in range(2 if resume else 0, 4):
+        eng.backward(loss_fn(eng, data.batch(s, B, rank, n))[1])
+        eng.step()
+        eng.zero_grad()
+        if s == 1 and not resume:
+            checkpoint.save(eng, path)
+    return eng.full_state_dict()
+
+
+def worker(root, n):
+    """Every case of world size n in one launch: parity at every n; bytes at n = 2 (the closed
+    form covers any n, one is enough); the delayed update at n = 1 (its reference is one process)."""
+    out = {}
+    if n == 1:
+        out["delayed"] = [delayed_run(stage) for stage in (1, 2, 3)]
+    if n == 2:                          # a checkpoint (optimizer state included) and a resume
+        for stage, mode in ((2, "optimizer"), (3, "disk")):
+            out[("resume", stage, mode)] = same(resume_run(root, stage, mode, False),
+                                                resume_run(root, stage, mode, True))
+    where = os.path.join(root, "case")
+    for stage in (1, 2, 3):
+        modes = ["optimizer"] + (["disk"] if stage == 3 else [])
+        # fp32, two micro-batches, clipping at a norm the gradients exceed
+        ref = train(stage, "fp32", False, micro=2, clip=0.05)
+        for mode in modes:
+            off = train(stage, "fp32", mode, micro=2, clip=0.05, offload_dir=where + "1")
+            out[("fp32", stage, mode)] = (same(ref["state"], off["state"]), ref["norms"], off["norms"])
+        # parameter groups: the optimizer steps on views of the shards (stage 1 remaps them as
+        # stage 2 does; n = 2 only: one is enough)
+        if n == 2 and stage > 1:
+            ref = train(stage, "bf16", False, opt=grouped)
+            for mode in modes:
+                off = train(stage, "bf16", mode, opt=grouped, offload_dir=where + "4")
+                out[("groups", stage, mode)] = same(ref["state"], off["state"])
+        # fp16: the last rank's loss is inf at step 1: every rank skips it
+        ref = train(stage, "fp16", False, kind="awkward", inf_step=1, bucket_mb=0.0002)
+        for mode in modes:
+            off = train(stage, "fp16", mode, kind="awkward", inf_step=1, bucket_mb=0.0002,
+                        offload_dir=where + "2")
+            out[("fp16", stage, mode)] = (same(ref["state"], off["state"]), ref["applied"], off["applied"])
+        # bytes: bf16, one bucket; one micro-batch, then two
+        for mode in (modes if n == 2 else []):
+            for micro in (1, 2):
+                r = train(stage, "bf16", mode, micro=micro, bucket_mb=25.0, steps=2,
+                          offload_dir=where + f"3{micro}")
+                out[("bytes", stage, mode, micro)] = (r["moved"], r["memory"], r["opt_tensors"], r["disk"])
+    return out
+
+
+@lru_cache(maxsize=None)
+def results(n):
+    root = tempfile.mkdtemp(prefix="zl-offload-")
+    try:
+        return zl.launch(worker, n, args=(root, n))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def shard_numel(stage, n) -> int:
+    """Psi_pad / N from the model's parameter counts (the closed form in the module doc)."""
+    model = GPT(gpt_config("nano", bias=False))
+    psi = sum(p.numel() for p in model.parameters())
+    if stage in (1, 2):
+        return math.ceil(psi / n)
+    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    return sum(math.ceil(b / n) for b in blocks) + math.ceil((psi - sum(blocks)) / n)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_offload_is_bit_for_bit_the_engine_without_it(n):
+    for rank_out in results(n):
+        for stage, mode in ((1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "disk")):
+            equal, ref_norms, off_norms = rank_out[("fp32", stage, mode)]
+            assert equal, f"fp32 stage {stage}, N={n}: offload={mode} changed the weights"
+            assert ref_norms == off_norms and min(ref_norms) > 0.05, "clipping did not act"
+            equal, ref_applied, off_applied = rank_out[("fp16", stage, mode)]
+            assert equal, f"fp16 stage {stage}, N={n}: offload={mode} changed the weights"
+            assert ref_applied == off_applied == [True, False, True]
+            if n == 2 and stage > 1:
+                assert rank_out[("groups", stage, mode)], f"stage {stage}: offload={mode} with parameter groups"
+
+
+@pytest.mark.parametrize("n", [2])
+def test_bytes_down_and_up_per_step_are_the_closed_form(n):
+    for rank_out in results(n):
+        for stage in (1, 2, 3):
+            k = shard_numel(stage, n)
+            for micro in (1, 2):
+                moved, memory, opt_tensors, _ = rank_out[("bytes", stage, "optimizer", micro)]
+                # gradients: bf16 (2 bytes) as reduced; fp32 (4) once stages 2-3 accumulate
+                grad_bytes = 4 if (micro == 2 and stage in (2, 3)) else 2
+                assert moved == [(grad_bytes * k, 2 * k)] * 2, (stage, micro, moved, k)
+                # host: fp32 master (4) + Adam's two moments (8) per element, one 4-byte step
+                # counter per tensor the optimizer updates; the device keeps the rest
+                assert memory["host"] == 12 * k + 4 * opt_tensors, (stage, memory, k)
+                assert memory["device"] == memory["total"] - memory["host"] > 0
+
+
+def test_a_checkpoint_of_an_offloaded_engine_resumes_bit_for_bit():
+    for rank_out in results(2):
+        for stage, mode in ((2, "optimizer"), (3, "disk")):
+            assert rank_out[("resume", stage, mode)], f"stage {stage}, offload={mode}: resume differs"
+
+
+def delayed_run(stage, steps=4):
+    """delay_update at N=1 against plain torch with the lag written out: the gradient of step t
+    is computed on the weights published after step t-2, and applied to those after t-1.
+    (At N=1 the engine without offload equals plain torch bit for bit: same arithmetic.)"""
+    model, data, loss_fn, B = build("gpt", 0)
+    eng = zl.ZeRO(model, OPT, stage=stage, offload="optimizer", delay_update=True)
+    ref, _, _, _ = build("gpt", 0)
+    opt = OPT(list(ref.parameters()))
+    published = [p.detach().clone() for p in ref.parameters()]   # what forward sees
+    plain, _, _, _ = build("gpt", 0)                               # no lag at all
+    plain_opt = OPT(list(plain.parameters()))
+    for s in range(steps):
+        batch = data.batch(s, B, 0, 1)
+        eng.backward(loss_fn(eng, batch)[1])
+        eng.step()
+        eng.zero_grad()
+        # by hand: forward on the published weights, update the latest ones
+        latest = [p.detach().clone() for p in ref.parameters()]
+        with torch.no_grad():
+            for p, w in zip(ref.parameters(), published):
+                p.copy_(w)
+        loss_fn(ref, batch)[1].backward()
+        with torch.no_grad():
+            for p, w in zip(ref.parameters(), latest):
+                p.copy_(w)
+        opt.step()
+        opt.zero_grad()
+        published = latest           # the update just made is seen one step later
+        loss_fn(plain, batch)[1].backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+    got = eng.full_state_dict()      # (lands the update in flight)
+    want, undelayed = ref.state_dict(), plain.state_dict()
+    return (all(torch.equal(got[k], want[k]) for k in want),
+            max((got[k] - undelayed[k]).abs().max().item() for k in want))
+
+
+def test_delayed_update_lags_one_step():
+    for stage, (lag_equal, gap) in zip((1, 2, 3), results(1)[0]["delayed"]):
+        assert lag_equal, f"stage {stage}: delay_update is not the hand-built one-step-lagged update"
+        assert gap > 1e-4, f"stage {stage}: the delayed run should differ from the undelayed one by ~lr"
+
+
+BAD = [
+    (dict(stage=1, offload="gpu"), ValueError, "offload must be None, 'optimizer'"),
+    (dict(stage=2, offload="disk", offload_dir="/tmp"), ValueError, "offload='disk' needs stage=3"),
+    (dict(stage=3, offload="disk"), ValueError, "needs offload_dir"),
+    (dict(stage=2, offload="optimizer", offload_dir="/tmp"), ValueError, "offload_dir is for offload='disk'"),
+    (dict(stage=2, offload_dir="/tmp"), ValueError, "options of offload"),
+    (dict(stage=1, delay_update=True), ValueError, "options of offload"),
+    (dict(stage=1, offload="optimizer", delay_update=1), TypeError, "delay_update must be True or False"),
+    (dict(stage=3, offload="disk", offload_dir="/tmp", delay_update=True), ValueError, "needs offload='optimizer'"),
+]
+
+
+@pytest.mark.parametrize("kw,error,words", BAD, ids=[str(b[0]) for b in BAD])
+def test_bad_offload_options_are_refused_before_anything_is_built(kw, error, words, monkeypatch):
+    # no process group exists: an engine that got as far as communicating would fail differently
+    monkeypatch.setattr(dist, "is_initialized", lambda: pytest.fail("reached torch.distributed"))
+    with pytest.raises(error, match=re.escape(words)):
+        zl.ZeRO(torch.nn.Linear(2, 2), OPT, **kw)
+
+
+@pytest.mark.parametrize("n", [2])
+def test_disk_bytes_per_step_from_the_os_are_the_closed_form(n):
+    """offload="disk", bf16 (c = 2 bytes), k = Psi_pad / N, m micro-batches whose gradient shard
+    is bf16 after the first (g_1 = 2) and fp32 once accumulated (g_j = 4, j >= 2). Per step:
+      read    = (2 c m  +  g_1 + ... + g_{m-1}  +  2 g_m  +  12) k
+                (parameters in every forward and backward, the shard read back to accumulate,
+                 the gradient in both passes of the step, master 4 and Adam's moments 8)
+      written = (g_1 + ... + g_m  +  12  +  c) k
+    The first step has no optimizer state to read: 8 k less. d2h = g_m k, h2d = c k."""
+    c = 2
+    for rank_out in results(n):
+        k = shard_numel(3, n)
+        for micro in (1, 2):
+            moved, memory, _, disk = rank_out[("bytes", 3, "disk", micro)]
+            g = [2] + [4] * (micro - 1)
+            read = (2 * c * micro + sum(g[:-1]) + 2 * g[-1] + 12) * k
+            written = (sum(g) + 12 + c) * k
+            assert disk == [(read - 8 * k, written), (read, written)], (micro, disk, k)
+            assert moved == [(g[-1] * k, c * k)] * 2
+            assert memory["host"] < 1024       # between steps, the files hold everything
+
+
+def test_a_model_four_times_the_memory_budget_trains_from_disk(tmp_path):
+    """The headline: the book's GPT whose model states (16 bytes per parameter: fp32 parameter,
+    gradient, two Adam moments) are 4x the budget trains with offload="disk" with a resident-set
+    growth (VmHWM - VmRSS before the engine, from /proc/self/status) under the budget, and
+    loses exactly what the same run in memory loses, which grows by more than the states."""
+    from zerolab.book.offload_demo import budget_worker
+    r = zl.launch(budget_worker, 1, args=(str(tmp_path),))[0]
+    disk, memory = r["disk"], r["memory"]
+    budget = disk["states"] / 4
+    assert disk["growth"] <= budget, (disk["growth"] / 2**20, budget / 2**20)
+    assert memory["growth"] >= disk["states"], "the measurement should see the in-memory states"
+    assert disk["losses"] == memory["losses"]
+    read = [io[0] for io in disk["disk_io"]]
+    assert read[1:] == [28 * disk["k"]] * (len(read) - 1)    # fp32: (2c + 2g + 12) k, c = g = 4
+
+
+def dying_worker(root):
+    """Disk offload, checkpoint after step 1; in step 2 the process is SIGKILLed while it writes
+    unit 1's new master: its bytes are out, the file is not yet in place (the last instant of
+    a write; with a write in place instead of write + rename, nothing would kill it)."""
+    import signal
+    from zerolab import checkpoint
+    model, data, loss_fn, B = build("gpt", 0)
+    eng = zl.ZeRO(model, OPT, stage=3, offload="disk", offload_dir=os.path.join(root, "offload"))
+    for s in range(2):
+        if s == 1:
+            replace = os.replace
+
+            def dying_replace(src, dst):
+                if str(src).endswith("unit1.master.bin.tmp"):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                replace(src, dst)
+            os.replace = dying_replace
+        eng.backward(loss_fn(eng, data.batch(s, B, 0, 1))[1])
+        eng.step()
+        eng.zero_grad()
+        checkpoint.save(eng, os.path.join(root, "ckpt"))
+
+
+def loading_worker(root):
+    from zerolab import checkpoint
+    model, _, _, _ = build("gpt", 1)
+    eng = zl.ZeRO(model, OPT, stage=3)
+    checkpoint.load(eng, os.path.join(root, "ckpt"))
+    return eng.full_state_dict()
+
+
+def test_a_rank_killed_mid_write_leaves_checkpoint_and_offload_files_whole(tmp_path):
+    from zerolab.launch_results import LaunchError
+    with pytest.raises(LaunchError, match="SIGKILL"):
+        zl.launch(dying_worker, 1, args=(str(tmp_path),))
+    saved = zl.launch(loading_worker, 1, args=(str(tmp_path),))[0]     # the step-1 checkpoint loads
+    # unit 1 is blocks.0: its master file still holds the step-1 values, whole
+    model, _, _, _ = build("gpt", 0)
+    names = [f"blocks.0.{name}" for name, _ in model.blocks[0].named_parameters()]
+    want = torch.cat([saved[k].reshape(-1) for k in names])
+    path = tmp_path / "offload" / "rank0" / "unit1.master.bin"
+    got = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.float32)
+    assert torch.equal(got, want)
+    new = torch.frombuffer(bytearray((path.parent / "unit1.master.bin.tmp").read_bytes()), dtype=torch.float32)
+    assert new.shape == got.shape and not torch.equal(new, got)     # step 2's, never put in place
+
+
+def test_a_full_or_read_only_offload_dir_is_refused_at_construction(tmp_path, monkeypatch):
+    monkeypatch.setattr(dist, "is_initialized", lambda: pytest.fail("reached torch.distributed"))
+    model = torch.nn.Linear(64, 64)
+    with pytest.raises(PermissionError, match="not a writable directory"):   # a read-only filesystem
+        zl.ZeRO(model, OPT, stage=3, offload="disk", offload_dir="/proc/zerolab-offload")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(PermissionError, match="not a writable directory"):   # not a directory
+        zl.ZeRO(model, OPT, stage=3, offload="disk", offload_dir=str(tmp_path / "file" / "sub"))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(OSError, match="MiB free"):                               # a full disk
+        zl.ZeRO(model, OPT, stage=3, offload="disk", offload_dir=str(tmp_path / "full"))

@@ -1,0 +1,311 @@
+"""ZeRO-Offload: the fp32 master shards and the optimizer state live in HOST memory.
+
+    engine = zl.ZeRO(model, partial(torch.optim.AdamW, lr=3e-4), stage=2, offload="optimizer")
+
+The three ZeRO stages keep, on each rank, a 1/N shard of the fp32 masters and of the optimizer
+state: 12 of the 16 bytes per parameter of mixed-precision Adam. ZeRO-Offload (Ren et al.,
+2021) moves exactly those to the CPU's memory, which is larger and cheaper than the
+accelerator's, and runs the optimizer there. Each step then moves, per rank:
+
+    down  (device -> host)  the reduced gradient shard, in the dtype it was reduced in
+    up    (host -> device)  the updated parameter shard, in the compute dtype
+
+    d2h = (Psi_pad / N) * bytes(gradient)      h2d = (Psi_pad / N) * bytes(compute dtype)
+
+Psi_pad is the parameter count after each flat buffer is padded to a multiple of N. Nothing
+else crosses the bus: forward and backward run on the device as without offload, and every
+collective (reduce-scatter, all-gather) moves the same bytes as before.
+
+How it fits the engines: OptimizerOffload is a mixin placed before ZeRO1, ZeRO2 or ZeRO3. After
+the engine is built it gives every master shard a host twin (pinned when CUDA is present: a
+copy from pinned memory runs by DMA at the bus's full speed; zerolab still waits for each one,
+so its seconds are the copy's) and points the optimizer at the twins; the device keeps only the
+compute copy. Then two steps of the engine's step template change and nothing else:
+
+    _step_grads   copy each gradient shard down (counted), cast it to fp32 ON THE HOST
+    _upload       copy each updated master shard up, cast to the compute dtype (counted)
+
+The finite check, clipping and the optimizer (the user's torch optimizer, on one flat tensor
+per shard: a dozen vectorised calls per shard, never a loop over elements; pass foreach=True
+or fused=True to the factory where your torch has them) run on the host copies: the same
+arithmetic on the same values, so the result is bit for bit the engine without offload.
+
+`engine.transfers` is the ledger of device <-> host copies (direction, bytes, seconds), kept
+apart from `engine.comm`, the ledger of the network. memory_report() adds "device" and "host".
+
+On a machine without an accelerator, "device" and "host" are the same RAM. The copies are
+still made (separate tensors) and counted: the data flow is the one a GPU would run, and the
+bytes are the bytes a PCIe bus would carry; only the seconds are not a bus's seconds. (The
+tests run on CPU with gloo; the CUDA details here, pinning and synchronising, have not yet run
+on a GPU.)
+
+delay_update=True is ZeRO-Offload's one-step delayed parameter update (DPU): step() moves the
+gradients down, checks and clips them, then starts the optimizer on a background thread and
+returns; the forward and backward of the next step run meanwhile, on the parameters from
+BEFORE that update. The next step() waits for it and publishes it. So the gradient of step
+t+1 is computed on the weights of step t-1: every update lags one step (the paper turns it on
+after a few warm-up steps; here it is on from the start, so the first step's forward and the
+second's see the same weights). finish_update() lands the last one (state_dict,
+full_state_dict, checkpoints and zero_grad land it themselves).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..buckets import held_still
+from ..memory import live_bytes, optimizer_tensors
+from ..precision import clip_grad_norm_
+
+MODES = ("optimizer", "disk")
+
+
+def host_empty(shape, dtype) -> torch.Tensor:
+    """A host tensor; pinned (page-locked) when CUDA is present, so a copy to or from the GPU
+    can run asynchronously through DMA. Without CUDA there is nothing to pin."""
+    return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+
+
+@dataclass
+class Transfer:
+    """One copy between device and host memory."""
+
+    direction: str      # "d2h" (gradients down) | "h2d" (parameters up)
+    bytes: int
+    seconds: float
+    tag: str = ""
+
+
+class Transfers:
+    """The ledger of device <-> host copies (engine.transfers); the network's is engine.comm."""
+
+    def __init__(self):
+        self.records: list[Transfer] = []
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str, tag: str = "") -> torch.Tensor:
+        """dst.copy_(src), counted. The bytes are what crosses the bus: the SOURCE dtype going
+        down (the gradient as reduced), the DESTINATION dtype going up (the compute dtype)."""
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if dst.is_cuda or src.is_cuda:
+            torch.cuda.synchronize()
+        moved = src if direction == "d2h" else dst
+        self.records.append(Transfer(direction, moved.numel() * moved.element_size(),
+                                     time.perf_counter() - t0, tag))
+        return dst
+
+    def bytes(self, direction: str | None = None) -> int:
+        return sum(r.bytes for r in self.records if direction in (None, r.direction))
+
+    def seconds(self, direction: str | None = None) -> float:
+        return sum(r.seconds for r in self.records if direction in (None, r.direction))
+
+    def reset(self) -> None:
+        self.records = []
+
+
+def check_offload(offload, offload_dir, delay_update, stage) -> None:
+    """Refuse a misuse before anything is built or communicated."""
+    if offload not in MODES:
+        raise ValueError(f"offload must be None, 'optimizer' (fp32 masters and optimizer state in "
+                         f"host memory) or 'disk' (stage 3: also parameters, in files); got {offload!r}")
+    if offload == "disk" and stage != 3:
+        raise ValueError(f"offload='disk' needs stage=3 (only stage 3 shards the parameters, which "
+                         f"it pages to files unit by unit); got stage={stage}. Use offload='optimizer' "
+                         "with stages 1 and 2.")
+    if offload == "optimizer" and offload_dir is not None:
+        raise ValueError("offload_dir is for offload='disk'; offload='optimizer' keeps its state in "
+                         "host memory. Drop offload_dir, or use offload='disk' with stage=3.")
+    if offload == "disk" and offload_dir is None:
+        raise ValueError("offload='disk' needs offload_dir=, a directory on a fast local disk (NVMe) "
+                         "where each rank keeps its shards' files")
+    if not isinstance(delay_update, bool):
+        raise TypeError(f"delay_update must be True or False; got {delay_update!r}")
+    if delay_update and offload != "optimizer":
+        raise ValueError("delay_update=True (the delayed parameter update) needs offload='optimizer'")
+
+
+class OptimizerOffload:
+    """Mixin for ZeRO1 / ZeRO2 / ZeRO3: masters and optimizer state in host memory (module doc)."""
+
+    offload = "optimizer"
+
+    def __init__(self, model, optimizer, *, offload="optimizer", offload_dir=None, delay_update=False,
+                 **options):
+        check_offload(offload, offload_dir, delay_update, self.stage)
+        self.transfers = Transfers()
+        self.delay_update = delay_update
+        self._in_flight = None            # (thread, error box) of a delayed update in flight
+        super().__init__(model, optimizer, **options)
+        self._move_masters_to_host()
+
+    # -------------------------------------------------------------- construction
+    def _device_shards(self) -> list:
+        """The compute copy of each master shard (what forward reads), in master order."""
+        if self.stage == 3:
+            return [u.shard["train"] for u in self._trained()]
+        return [b.data[s] for b, s in zip(self.buckets.buckets, self.shards)]
+
+    @torch.no_grad()
+    def _move_masters_to_host(self):
+        self._dev = self._device_shards()
+        old = list(self.masters)
+        host = []
+        for m in old:
+            h = host_empty(m.shape, torch.float32)
+            h.copy_(m)                  # setup, not a step: not counted
+            host.append(nn.Parameter(h) if isinstance(m, nn.Parameter) else h)
+        # every name the engine has for its masters now means the host twins
+        if self.stage == 3:
+            for u, h in zip(self._trained(), host):
+                u.master = h
+            self.masters = list(host)
+        else:
+            self.master_shards[:] = host    # (flat_masters and masters are this same list)
+        # the optimizer holds the masters, or one view per parameter group of them
+        new_of = {id(m): h for m, h in zip(old, host)}
+        views = self._group_views
+        if views is not None:           # (views.views: (view, master index, lo, hi))
+            for k, (view, i, lo, hi) in enumerate(views.views):
+                new_of[id(view)] = host[i].detach()[lo:hi]
+                views.views[k] = (new_of[id(view)], i, lo, hi)
+            views.masters = self.masters if self.stage == 3 else self.master_shards
+        for group in self.optimizer.param_groups:
+            group["params"] = [new_of[id(t)] for t in group["params"]]
+
+    # -------------------------------------------------------------- the two steps that move bytes
+    def _step_grads(self) -> list:
+        """Each reduced gradient shard goes down to the host, then becomes fp32 there."""
+        for i, (m, g) in enumerate(zip(self.masters, self._owned_grads())):
+            if g is None:               # ZeRO-3: a unit no backward reached holds zeros
+                g = torch.zeros(m.shape, dtype=self._dev[i].dtype, device=self._dev[i].device)
+            down = self.transfers.copy(host_empty(g.shape, g.dtype), g, "d2h", tag=f"grad{i}")
+            m.grad = down.float()       # free in fp32; the cast to fp32 is the host's work
+        return [m.grad for m in self.masters]
+
+    def _upload(self, dev, master):
+        """The updated fp32 master shard goes up, cast to the compute dtype."""
+        self.transfers.copy(dev, master, "h2d", tag="param")
+
+    def _drop_step_grads(self):
+        if self._in_flight is not None:
+            return                      # zero_grad() during a delayed update: its thread reads them
+        super()._drop_step_grads()
+        for m in self.masters:          # the host gradient copies are the step's alone
+            m.grad = None
+
+    # -------------------------------------------------------------- the delayed update
+    def _step(self) -> bool:
+        if not self.delay_update:
+            return super()._step()
+        return self._delayed_step()
+
+    @torch.no_grad()
+    def _delayed_step(self) -> bool:
+        self.finish_update()            # the update started by the last step, published now
+        for u in getattr(self, "units", ()):
+            u.release("step")           # ZeRO-3: a gathered copy would be stale after the update
+        grads = self._step_grads()
+        if not self._grads_finite(grads):
+            self._drop_step_grads()
+            self.precision.update(found_inf=True, step=self.steps)
+            return False
+        max_norm, self._clip_next = self._clip_next or self.max_grad_norm, None
+        if max_norm is not None:
+            self.last_grad_norm = clip_grad_norm_(grads, max_norm, self.comm if self.sharded else None)
+        held = self._held_ranges()      # (read now: the next backward changes what was reached)
+        box: list = []
+
+        def update():                   # host arithmetic only: no collective on this thread
+            try:
+                if self._group_views is not None:
+                    self._group_views.point_grads()
+                with held_still(self.optimizer, held):
+                    self.optimizer.step()
+                if self._group_views is not None:
+                    self._group_views.drop_grads()
+            except BaseException as e:  # re-raised by finish_update, on the main thread
+                box.append(e)
+
+        thread = threading.Thread(target=update, name="zerolab-offload-step", daemon=True)
+        thread.start()
+        self._in_flight = (thread, box)
+        self.precision.update(found_inf=False)
+        return True
+
+    def finish_update(self) -> None:
+        """delay_update: wait for the update in flight and publish it (up, then all-gather for
+        stages 1-2). Every rank must call it (publishing is a collective); nothing if none."""
+        if self._in_flight is None:
+            return
+        thread, box = self._in_flight
+        self._in_flight = None
+        thread.join()
+        if box:
+            raise box[0]
+        self._publish()
+        self._drop_step_grads()
+
+    def _release_grads(self):
+        # zero_grad() while an update is in flight: its thread still reads the host gradients,
+        # which ZeRO-3's _release_grads would drop (u.master.grad = None). Hide the masters.
+        if self._in_flight is None or self.stage != 3:
+            return super()._release_grads()
+        masters = [u.master for u in self.units]
+        for u in self.units:
+            u.master = None
+        try:
+            super()._release_grads()
+        finally:
+            for u, m in zip(self.units, masters):
+                u.master = m
+
+    def full_state_dict(self) -> dict:
+        self.finish_update()
+        return super().full_state_dict()
+
+    def checkpoint_segments(self, names):
+        self.finish_update()            # (zerolab.checkpoint and load_state_dict come here)
+        return super().checkpoint_segments(names)
+
+    # -------------------------------------------------------------- where the bytes live
+    def host_tensors(self) -> list:
+        """What lives in host memory: the fp32 masters, their gradients, the optimizer state."""
+        grads = [m.grad for m in self.masters if m.grad is not None]
+        return list(self.masters) + grads + optimizer_tensors(self.optimizer)
+
+    def _memory_tensors(self):
+        # the host masters are separate tensors now (in fp32 too): count them as optimizer bytes
+        params, grads, optimizer = super()._memory_tensors()
+        return params, grads, self.host_tensors() + optimizer
+
+    def memory_report(self) -> dict:
+        """Engine's report, plus where the bytes live: "host" (masters, optimizer state, their
+        gradients while a step runs) and "device" (the rest of the model states)."""
+        out = super().memory_report()
+        out["host"] = live_bytes(self.host_tensors())
+        out["device"] = out["total"] - out["host"]
+        return out
+
+
+def offloaded(stage: int, offload):
+    """The engine class for zl.ZeRO(stage=..., offload=...): refused here if the pair is wrong."""
+    if offload is None:
+        raise ValueError("offload_dir= and delay_update= are options of offload: pass "
+                         "offload='optimizer' (any stage) or offload='disk' (stage 3)")
+    if offload == "disk" and stage != 3:   # (the rest is checked by the engine's constructor)
+        check_offload(offload, "-", False, stage)
+    if offload == "disk":
+        from .offload_disk import ZeRO3Disk
+        return ZeRO3Disk
+    from .zero1 import ZeRO1
+    from .zero2 import ZeRO2
+    from .zero3 import ZeRO3
+    base = {1: ZeRO1, 2: ZeRO2, 3: ZeRO3}[stage]
+    return type(f"{base.__name__}Offload", (OptimizerOffload, base),
+                {"__module__": __name__, "__doc__": f"{base.__name__} with offload='optimizer'."})

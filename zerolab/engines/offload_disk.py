@@ -1,0 +1,336 @@
+"""ZeRO-Infinity's NVMe tier: stage 3 with every model state in files, a unit at a time.
+
+    engine = zl.ZeRO(model, partial(torch.optim.AdamW, lr=3e-4), stage=3,
+                     offload="disk", offload_dir="/nvme/run1", prefetch=1)
+
+ZeRO-3 already cuts the model into units and holds only this rank's 1/N shard of each. Here
+even the shards leave memory: each unit's parameter shard (compute dtype), fp32 master shard,
+optimizer state (Adam's two moments) and reduced gradient shard live in files under
+offload_dir/rank<r>/ (zerolab.engines.pager: one I/O thread, atomic writes, byte counts from
+/proc). What is in memory at any moment is the unit being computed, the units being gathered
+ahead of it, and the one being read ahead of those (prefetch=0: each file is read only when
+its unit needs it, so nothing is ahead, and nothing of the disk's time is hidden):
+
+* forward and backward: a unit's parameter shard is read just before its all-gather (the
+  reader thread started reading it while the unit before it computed: one unit ahead of the
+  `prefetch` all-gathers) and freed when the unit is released. It has not changed, so it is
+  not written back.
+* backward: each reduced gradient shard is written to its file as soon as it is reduced (a
+  second micro-batch reads it back and adds to it).
+* step, in two passes over the units, because clipping and the fp16 overflow check need the
+  WHOLE gradient before any unit may move: pass 1 reads each gradient shard and takes its sum
+  and squared norm; pass 2 reads the gradient again with the unit's master and optimizer
+  state, moves the gradient to the host (engine.transfers, as offload="optimizer"), unscales
+  and clips it, runs the optimizer on that unit alone, and writes master, state and the new
+  parameter shard back. Adam is elementwise with its state per tensor, so a step unit by
+  unit is the same arithmetic as one step over all: bit for bit the engine without offload.
+
+Disk bytes per rank and step, k = this rank's shard elements (sum over units), c the compute
+dtype's bytes, g the gradient's (c, or 4 once micro-batches accumulate in fp32):
+
+    read    (2c + 2g + 12) k     parameters in forward and backward, gradient twice, master and state
+    written (c + g + 12) k       gradient, master and state, the new parameter shard
+
+(the first step reads no optimizer state: 8k less). engine.disk_io() reports the OS's count.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+
+import torch
+import torch.nn as nn
+
+from ..buckets import held_still
+from ..precision import found_overflow
+from .offload import OptimizerOffload, host_empty
+from .pager import Pager
+from .units import Unit
+from .zero3 import ZeRO3
+
+
+def check_offload_dir(offload_dir, model) -> None:
+    """A clear error before anything is built: the directory must be creatable, writable, and
+    hold this run's files: 20 bytes per parameter in fp32 over all ranks (parameter, master,
+    two moments, gradient), 24 asked for (a .tmp file beside each one being rewritten)."""
+    try:
+        os.makedirs(offload_dir, exist_ok=True)
+        probe = os.path.join(offload_dir, f".zerolab-probe-{os.getpid()}")
+        with open(probe, "wb") as f:
+            f.write(b"x")
+        os.remove(probe)
+    except OSError as e:
+        raise PermissionError(f"offload_dir {offload_dir!r} is not a writable directory ({e.strerror}): "
+                              "point offload_dir at a directory on a local disk this process may write to"
+                              ) from None
+    need = 24 * sum(p.numel() for p in model.parameters())
+    free = shutil.disk_usage(offload_dir).free
+    if free < need:
+        raise OSError(f"offload_dir {offload_dir!r} has {free / 2**20:.1f} MiB free, and offload='disk' "
+                      f"needs about {need / 2**20:.1f} MiB for this model's shards (24 bytes per "
+                      "parameter: parameters, masters, optimizer state and gradients, all ranks). "
+                      "Free space there or choose another offload_dir.")
+
+
+class DiskUnit(Unit):
+    """A Unit whose parameter and gradient shards live in files between uses."""
+
+    def key(self, what: str) -> str:
+        return f"unit{self.index}.{what}"
+
+    def gather(self, phase):
+        if not (self.gathered or self.handles):
+            for kind in self.full:      # the shard must be in memory before its all-gather
+                self.pager.wait(self.key(kind))
+        super().gather(phase)
+
+    def release(self, phase):
+        was_gathered = self.gathered or bool(self.handles)
+        super().release(phase)
+        if was_gathered:                # unchanged since it was read: freed, not written
+            for kind in self.full:
+                self.pager.out(self.key(kind), self.shard[kind], dirty=False)
+
+    def finish_reduce(self):
+        if self.grad_shard is not None:  # a later micro-batch adds to the shard in the file
+            self.pager.wait(self.key("grad"))
+        super().finish_reduce()
+        self.pager.out(self.key("grad"), self.grad_shard, dirty=True)
+
+
+class ZeRO3Disk(OptimizerOffload, ZeRO3):
+    """ZeRO3 with offload="disk" (module docstring). offload_dir: where each rank keeps its
+    files (in offload_dir/rank<r>); prefetch: all-gathers ahead, as ZeRO3's; the files are read
+    one unit further ahead."""
+
+    offload = "disk"
+
+    def __init__(self, model, optimizer, *, offload="disk", offload_dir=None, **options):
+        from .offload import check_offload
+        check_offload(offload, offload_dir, options.get("delay_update", False), 3)
+        check_offload_dir(offload_dir, model)
+        self.offload_dir = offload_dir
+        self.pager = None               # made by the first unit built (it needs this rank's number)
+        super().__init__(model, optimizer, offload=offload, offload_dir=offload_dir, **options)
+
+    # -------------------------------------------------------------- construction
+    def _unit_built(self, u):
+        """Each unit goes to its files as soon as it exists: at most one is ever in memory."""
+        if self.pager is None:
+            self.pager = Pager(os.path.join(self.offload_dir, f"rank{self.rank}"))
+        u.__class__ = DiskUnit
+        u.pager = self.pager
+        if u.master is not None:        # the host master (in fp32 a copy of the shard, not it)
+            h = host_empty(u.master.shape, torch.float32)
+            h.copy_(u.master.detach())
+            u.master = nn.Parameter(h)
+            # with several parameter groups the engine next cuts views of each master (one per
+            # group), which needs its memory: those masters go to their files once it has
+            if len(self.optimizer.param_groups) == 1:
+                self.pager.out(u.key("master"), u.master.data)
+        for kind, shard in u.shard.items():
+            self.pager.out(u.key(kind), shard)
+        self.pager.flush()              # (or the next units would be built while this one is written)
+
+    def _move_masters_to_host(self):
+        self._dev = self._device_shards()   # (the masters were made on the host, unit by unit)
+        for u in self._trained():
+            if u.key("master") not in self.pager.on_disk:
+                self.pager.out(u.key("master"), u.master.data)
+        self.pager.flush()
+
+    # -------------------------------------------------------------- reading ahead
+    def _prefetch_after(self, order, u, phase):
+        super()._prefetch_after(order, u, phase)
+        if u not in order:
+            return
+        i = order.index(u)
+        ahead = [v for v in order[i + 1:] if v is not u and not (phase == "backward" and v.reduced)]
+        # the files one unit further ahead than the all-gathers (prefetch=0: nothing ahead)
+        for v in ahead[:self.prefetch + 1 if self.prefetch else 0]:
+            for kind in v.full:
+                self.pager.fetch(v.key(kind))
+
+    # -------------------------------------------------------------- the step, unit by unit
+    def _state(self, i, u) -> list:
+        """(name, tensor) of unit u's optimizer state of its shape (moments; not step counts)."""
+        out = []
+        for j, t in enumerate(self._opt_tensors(i)):
+            for k, v in self.optimizer.state.get(t, {}).items():
+                if isinstance(v, torch.Tensor) and v.shape == t.shape:
+                    out.append((u.key(f"opt{j}.{k}"), v))
+        return out
+
+    def _opt_tensors(self, i) -> list:
+        """The tensors the optimizer holds for master i: the master, or its group views."""
+        views = self._group_views
+        if views is None:
+            return [self.masters[i]]
+        return [v for v, j, _, _ in views.views if j == i]
+
+    def _fetch_unit(self, names):
+        """Start reading the files among `names` that exist (the first step has no state yet)."""
+        for name in names:
+            if name in self.pager.on_disk:
+                self.pager.fetch(name)
+
+    def _step_names(self, i, u) -> list:
+        return [u.key("grad"), u.key("master")] + [n for n, _ in self._state(i, u)]
+
+    def _grad_in(self, u):
+        """Unit u's reduced gradient shard, read from its file (zeros if no backward reached it)."""
+        if u.grad_shard is None:
+            return torch.zeros(u.master.shape, dtype=u.shard["train"].dtype)
+        return self.pager.wait(u.key("grad"))
+
+    @torch.no_grad()
+    def _step(self) -> bool:
+        for u in self.units:
+            u.release("step")
+        train = self._trained()
+        scaler = self.precision.scaler
+        inv = None if scaler is None else 1.0 / scaler.scale
+        max_norm, self._clip_next = self._clip_next or self.max_grad_norm, None
+        # pass 1: the finite check and the squared norm, one gradient shard in memory at a time
+        sums, sq, finite = [], torch.zeros(1, dtype=torch.float32), True
+        for i, u in enumerate(train):
+            if self.prefetch and i + 1 < len(train) and train[i + 1].grad_shard is not None:
+                self.pager.fetch(train[i + 1].key("grad"))
+            g = self._grad_in(u).float()
+            if inv is not None:
+                g = g.mul(inv)          # (the same values the in-place unscale gives)
+                finite = finite and bool(torch.isfinite(g).all())
+            else:
+                sums.append(g.sum())
+            if max_norm is not None:
+                sq += g.pow(2).sum()
+            if u.grad_shard is not None:
+                self.pager.out(u.key("grad"), u.grad_shard, dirty=False)
+        if inv is not None:
+            marker = [] if finite else [torch.tensor([float("inf")])]
+            if found_overflow(marker, self.precision.ledger, self.precision.group):
+                self.precision.update(found_inf=True, step=self.steps)
+                return False
+        else:
+            self._sums = sums
+            self._grads_finite([])      # raises on inf / nan (fp32, bf16), from the sums above
+        coef = 1.0
+        if max_norm is not None:
+            self.comm.all_reduce(sq, op="sum", tag="grad_norm")
+            self.last_grad_norm = math.sqrt(sq.item())
+            coef = max_norm / (self.last_grad_norm + 1e-6)
+        # pass 2: each unit's update, reading the next unit's files meanwhile
+        held = self._held_ranges()
+        for i, u in enumerate(train):
+            if self.prefetch and i + 1 < len(train):
+                self._fetch_unit(self._step_names(i + 1, train[i + 1]))
+            self._update_unit(i, u, inv, coef, held)
+        self._sums = None
+        self.precision.update(found_inf=False)
+        return True
+
+    _sums = None                        # pass 1's per-unit gradient sums, for _grads_finite
+
+    def _grad_sums(self, grads) -> list:
+        return self._sums if self._sums is not None else super()._grad_sums(grads)
+
+    def _update_unit(self, i, u, inv, coef, held):
+        g = self._grad_in(u)
+        down = self.transfers.copy(host_empty(g.shape, g.dtype), g, "d2h", tag=f"grad{i}").float()
+        if u.grad_shard is not None:    # (freed now: the host copy is what the step reads)
+            self.pager.out(u.key("grad"), u.grad_shard, dirty=False)
+        del g
+        if inv is not None:
+            down.mul_(inv)
+        if coef < 1.0:
+            down.mul_(coef)
+        self.pager.wait(u.key("master"))
+        master = u.master               # (the pager holds its .data: the same storage)
+        for name, v in self._state(i, u):
+            self.pager.wait(name) if v.untyped_storage().nbytes() == 0 else self.pager.adopt(name, v)
+        master.grad = down
+        mine = {id(t) for t in self._opt_tensors(i)}
+        if self._group_views is not None:
+            self._group_views.point_grads()
+        with held_still(self.optimizer, [r for r in held if id(r[0]) in mine]):
+            self.optimizer.step()
+        if self._group_views is not None:
+            self._group_views.drop_grads()
+        master.grad = None
+        del down
+        for name, v in self._state(i, u):   # (the first step creates the state here)
+            if name not in self.pager.resident:
+                self.pager.adopt(name, v)
+            self.pager.out(name, v)
+        shard = self.pager.new(u.key("train"), u.shard["train"])
+        self._upload(shard, master)
+        self.pager.out(u.key("master"), master.data)
+        self.pager.out(u.key("train"), shard)
+
+    def _release_grads(self):
+        for u in self.units:
+            if u.grad_shard is not None:
+                self.pager.forget(u.key("grad"))
+        super()._release_grads()
+
+    # -------------------------------------------------------------- whole-state operations
+    def _page_in_all(self):
+        """Every master, shard and optimizer state in memory (checkpoints, full_state_dict,
+        load_state_dict): the bound on memory does not hold inside these."""
+        for i, u in enumerate(self._trained()):
+            self.pager.wait(u.key("master"))
+            for name, v in self._state(i, u):
+                if v.untyped_storage().nbytes() == 0:
+                    self.pager.wait(name)
+        for u in self.units:
+            for kind in u.shard:
+                self.pager.wait(u.key(kind))
+
+    def _page_out_all(self, dirty):
+        for i, u in enumerate(self._trained()):
+            self.pager.out(u.key("master"), u.master.data, dirty)
+            for name, v in self._state(i, u):
+                self.pager.out(name, v, dirty)
+        for u in self.units:
+            if not u.gathered:
+                for kind in u.shard:
+                    self.pager.out(u.key(kind), u.shard[kind], dirty)
+
+    def _full_values(self) -> dict:
+        self._page_in_all()
+        try:
+            return super()._full_values()
+        finally:
+            self._page_out_all(dirty=False)
+
+    def checkpoint_segments(self, names):
+        # zerolab.checkpoint reads (save) or writes (load) these tensors after this returns:
+        # they stay in memory, and the next step() writes them back
+        self._page_in_all()
+        for u in self.units:            # (a load changes them: the next page-out must write)
+            for what in ["master"] + list(u.shard):
+                self.pager.on_disk.discard(u.key(what))
+        return super().checkpoint_segments(names)
+
+    def _owned_grads(self) -> list:
+        # engine.clip_grad_norm_() reads every gradient shard: they come back into memory
+        for u in self._trained():
+            if u.grad_shard is not None:
+                self.pager.wait(u.key("grad"))
+        return super()._owned_grads()
+
+    def _publish(self):
+        # after a load wrote the masters: new parameter shards, to their files
+        for u in self._trained():
+            master = self.pager.wait(u.key("master"))
+            shard = self.pager.new(u.key("train"), u.shard["train"])
+            self._upload(shard, master)
+            self.pager.out(u.key("train"), shard)
+        self.pager.flush()
+
+    def disk_io(self) -> dict:
+        """Bytes this rank's I/O thread has read and written (from /proc), after the queue drains."""
+        self.pager.flush()
+        return self.pager.io()
