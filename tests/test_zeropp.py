@@ -333,7 +333,8 @@ def bad_inputs():
                      ("stage 2", {"stage": 2, "shard_group": "node"}),
                      ("hpZ value", {"stage": 3, "secondary_partition": "rack"}),
                      ("flag type", {"stage": 3, "quantize_gradients": "yes"}),
-                     ("hsdp+zero++", {"stage": 3, "shard_group": "node", "quantize_weights": True})):
+                     ("hsdp+zero++", {"stage": 3, "shard_group": "node", "quantize_weights": True}),
+                     ("offload+zero++", {"stage": 3, "offload": "optimizer", "quantize_gradients": True})):
         try:
             zl.ZeRO(model(), OPT, **kw)
             msgs[name] = None
@@ -350,3 +351,4 @@ def test_bad_input_is_refused_at_construction():
     assert "secondary_partition must be None or 'node'" in msgs["hpZ value"]
     assert "quantize_gradients must be True or False" in msgs["flag type"]
     assert "HSDP" in msgs["hsdp+zero++"]
+    assert "offloading and ZeRO++ / HSDP are not supported together" in msgs["offload+zero++"]
