@@ -14,6 +14,7 @@ and plot. One module per idea of a chapter:
     scaling_demo, bench_plots        chapter 10: scaling up, the benchmark's figures
     paper_tables, stage_choice       chapter 10: the paper's printed tables; choosing a stage
     own_model_demo, own_model_failures   chapter 11: a Hugging Face model, and what breaks
+    zeropp_demo                      chapter 12: ZeRO++ and HSDP, bytes by link class, schematics
     offload_demo, offload_plots      chapter 13: offload to host memory and to disk, measured
     web_widgets                      chapters 1, 3, 10: calculators that work in the page, no kernel
     gpu_results                      chapters 2, 5, 8, 9, 10: what was measured on a GPU (gpu/results/)
