@@ -147,9 +147,9 @@ def padded(n, k):
 
 
 def q_bytes(numel, bits):
-    """Bytes of `numel` values as codes + one fp32 scale per block: 256 weights (int8), 32
+    """Bytes of `numel` values as codes + one fp32 scale per block: 64 weights (int8), 32
     gradients (int4), as engines.zeropp chooses (the layout of zerolab.quantize)."""
-    block = 256 if bits == 8 else 32
+    block = 64 if bits == 8 else 32
     blocks = -(-numel // block)
     return blocks * block * bits // 8 + 4 * blocks
 
@@ -268,7 +268,7 @@ def test_checkpoints_cross_options_and_world_sizes(res, ckpt_dir):
 def test_bytes_of_a_quantized_payload_match_the_module():
     # the closed form above and zerolab.quantize agree on what a shard costs
     for n in (1, 255, 4097):
-        assert q_bytes(n, 8) == qz.wire_bytes(n, 8, 256) and q_bytes(n, 4) == qz.wire_bytes(n, 4, 32)
+        assert q_bytes(n, 8) == qz.wire_bytes(n, 8, 64) and q_bytes(n, 4) == qz.wire_bytes(n, 4, 32)
 
 
 def collectives_alone():
@@ -293,11 +293,11 @@ def collectives_alone():
 def test_quantized_collectives_alone():
     res = zl.launch(collectives_alone, world_size=N)
     exact, approx = res[0]["exact"], res[0]["approx"]
-    # int8 weights: each element within half a step of its 256-block's scale (max |w| / 127)
+    # int8 weights: each element within half a step of its 64-block's scale (max |w| / 127)
     for lo in range(0, exact.numel(), exact.numel() // N):        # rank by rank: blocks start at each shard
         piece = slice(lo, lo + exact.numel() // N)
-        for b in range(0, exact.numel() // N, 256):
-            e, a = exact[piece][b:b + 256], approx[piece][b:b + 256]
+        for b in range(0, exact.numel() // N, 64):
+            e, a = exact[piece][b:b + 64], approx[piece][b:b + 64]
             assert (e - a).abs().max() <= e.abs().max() / 127 / 2 * 1.0001
     assert all(torch.equal(r["approx"], approx) for r in res), "every rank must compute with the same weights"
     # int4 gradients, two hops: within half a step of each hop's blocks (max / 7), summed over the

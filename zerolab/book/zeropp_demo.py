@@ -28,7 +28,7 @@ QW, HP, QG, HSDP = ({"quantize_weights": True}, {"secondary_partition": "node"},
                     {"quantize_gradients": True}, {"shard_group": "node"})
 OPTIONS = {"ZeRO-3": {}, "qwZ": QW, "hpZ": HP, "qgZ": QG, "qwZ+hpZ+qgZ": {**QW, **HP, **QG}, "HSDP": HSDP}
 SMALL_TAGS = ("check", "used", "grad_norm")     # the engine's tiny bookkeeping collectives
-WEIGHT_BLOCK, GRAD_BLOCK = 256, 32               # as zerolab.engines.zeropp chooses
+WEIGHT_BLOCK, GRAD_BLOCK = 64, 32                # as zerolab.engines.zeropp chooses
 
 
 def model():
@@ -136,7 +136,7 @@ def closed_form(option, b, units=None, n=N, g=G):
     (padded to a multiple of the ranks it is sharded over), s = P / N its shard:
       a ring over all N ranks (all-gather, reduce-scatter): each rank sends (N-1) s b; one rank
         per node (its last) sends to the next node, the g-1 others inside;
-      qwZ's all-gather: the same ring with each piece as int8 codes + scales, qz.wire_bytes(s, 8, 256);
+      qwZ's all-gather: the same ring with each piece as int8 codes + scales, qz.wire_bytes(s, 8, 64);
       hpZ's backward all-gather: a ring over the node's g ranks of P/g pieces: all inside;
       qgZ: an all-to-all inside the node of g rows of m s elements (int4 + scales), each rank
         keeping one row, then an all-to-all over the m nodes of m rows of s, keeping one;
