@@ -422,9 +422,25 @@ def worker_meta(size):
         with torch.device("meta"):
             model = GPT(cfg)
         eng = ZeRO3(model, OPT, init_fn=init)
-    return {"state": eng.full_state_dict(), "meta_peak": meta.peak, "full_peak": full.peak,
-            "psi": eng.num_params, "largest": max(eng.unit_sizes().values()),
-            "ok": eng_full is not None}
+    out = {"state": eng.full_state_dict(), "meta_peak": meta.peak, "full_peak": full.peak,
+           "psi": eng.num_params, "largest": max(eng.unit_sizes().values()),
+           "ok": eng_full is not None}
+    # and it trains as the same GPT built in full does (the units are regathered in backward:
+    # a parameter must not share its flat buffer's autograd version counter)
+    plain = GPT(cfg)
+    with torch.no_grad():
+        for name, m in plain.named_modules():
+            init(name, m)
+    trained = []
+    for e in (eng, ZeRO3(plain, OPT)):
+        data = CharDataset(cfg.block_size)
+        for s in range(2):
+            e.backward(gpt_loss(e, data.batch(s, 2, dist.get_rank(), dist.get_world_size()))[1])
+            e.step()
+            e.zero_grad()
+        trained.append(e.full_state_dict())
+    out["trained"] = trained
+    return out
 
 
 def test_meta_construction_matches_plain_init_and_never_holds_the_model():
@@ -439,6 +455,7 @@ def test_meta_construction_matches_plain_init_and_never_holds_the_model():
     want = {k: v.float() for k, v in model.state_dict().items()}
     for r in res:
         assert_close(r["state"], want, "meta + init_fn vs plain GPT + init_fn", tol=0.0)
+        assert_close(r["trained"][0], r["trained"][1], "meta + init_fn vs plain GPT, trained", tol=0.0)
         model_bytes = 4 * r["psi"]
         assert r["full_peak"] >= model_bytes                    # the plain build holds it all
         # meta: this rank's shards and one unit in full at a time, never the whole model

@@ -150,7 +150,12 @@ class Unit:
                 new = []
                 offset = 0
                 for p in params:
-                    q = nn.Parameter(flat[offset:offset + p.numel()].view(p.shape), requires_grad=p.requires_grad)
+                    # q.data = a view, as Bucket.bind_params does, not Parameter(view): a
+                    # parameter made FROM a view shares the flat buffer's version counter, so
+                    # every all-gather into the buffer would look to autograd like an in-place
+                    # edit of the weights its forward saved for backward
+                    q = nn.Parameter(torch.empty(0), requires_grad=p.requires_grad)
+                    q.data = flat[offset:offset + p.numel()].view(p.shape)
                     offset += p.numel()
                     if id(p) in group_of:
                         group_of[id(q)] = group_of[id(p)]
