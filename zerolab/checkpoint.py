@@ -12,6 +12,10 @@ A checkpoint is a directory:
                                    its fp32 master values and optimizer state; rank 0's file
                                    also holds the buffers; every file holds its rank's step
                                    count, loss scaler, RNG states and your `extra`
+    shard-<id>-00000-unit3.master.bin ...   offload="disk" only: the engine's own files, linked
+                                   (zerolab.engines.offload_disk): the .pt file then says where
+                                   each piece's values and state are in them instead of
+                                   holding them, so saving and loading never hold the model
 
 The unit of the layout is the PIECE: elements [lo, hi) of one parameter, flattened. No rank
 ever gathers the full model to save: ZeRO ranks write the pieces of their own flat shard, and
@@ -40,6 +44,7 @@ import json
 import os
 import random
 import secrets
+import shutil
 
 import torch
 
@@ -118,6 +123,26 @@ def _atomic_write(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _link(src: str, directory: str, name: str) -> dict:
+    """Put file `src` (an offload file) into the checkpoint as `name` without reading it into
+    memory: a hard link (no byte copied) where both are on one file system, else a copy. The
+    offload engine replaces its files and never writes one in place, so the link keeps the
+    bytes of this save. Returns the file's entry in the metadata: name, size and SHA-256."""
+    dst = os.path.join(directory, name)
+    try:
+        os.link(src, dst)
+    except OSError:                 # another file system, or one without hard links
+        tmp = f"{dst}.tmp-{os.getpid()}"
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    digest, size = hashlib.sha256(), 0
+    with open(dst, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+            size += len(block)
+    return {"file": name, "bytes": size, "sha256": digest.hexdigest()}
+
+
 def _rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -186,21 +211,34 @@ def save(engine, path, extra: dict | None = None) -> str:
 
     optimizer = engine.optimizer
     pieces = []
+    in_files = engine.checkpoint_files()   # offload="disk": tensors whose bytes are in files
+    linked: dict = {}                      # such a file -> its entry in this shard's "files"
+
+    def values(t, t_lo, n, cast):
+        """Elements [t_lo, t_lo + n) of t: a CPU copy, or where they are in a linked file."""
+        if id(t) not in in_files:
+            v = t.detach().reshape(-1)[t_lo:t_lo + n]
+            return (v.float() if cast else v).cpu().clone()
+        src, offset = in_files[id(t)]
+        if src not in linked:
+            linked[src] = _link(src, path, f"shard-{sid}-{rank:05d}-{os.path.basename(src)}")
+        return {"file": linked[src]["file"], "dtype": str(t.dtype).replace("torch.", ""),
+                "offset": offset + t_lo}
+
     with torch.no_grad():
         for t, t_lo, name, lo, hi in opt_segments:
             n = hi - lo
-            piece = {"name": name, "lo": lo, "hi": hi,
-                     "value": t.detach().reshape(-1)[t_lo:t_lo + n].float().cpu().clone(),
+            piece = {"name": name, "lo": lo, "hi": hi, "value": values(t, t_lo, n, True),
                      "state": {}, "scalars": {}}
             for k, v in optimizer.state.get(t, {}).items():
                 if isinstance(v, torch.Tensor) and v.shape == t.shape:
-                    piece["state"][k] = v.reshape(-1)[t_lo:t_lo + n].cpu().clone()
+                    piece["state"][k] = values(v, t_lo, n, False)
                 else:
                     piece["scalars"][k] = v.cpu().clone() if isinstance(v, torch.Tensor) else v
             pieces.append(piece)
         for t, t_lo, name, lo, hi in frozen_segments:
             pieces.append({"name": name, "lo": lo, "hi": hi, "state": {}, "scalars": {},
-                           "value": t.detach().reshape(-1)[t_lo:t_lo + hi - lo].float().cpu().clone()})
+                           "value": values(t, t_lo, hi - lo, True)})
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     content = {
         "format": FORMAT, "rank": rank, "world_size": size, "pieces": pieces,
@@ -215,7 +253,7 @@ def save(engine, path, extra: dict | None = None) -> str:
     fname = f"shard-{sid}-{rank:05d}-of-{size:05d}.pt"
     _atomic_write(os.path.join(path, fname), data)
     desc = {"file": fname, "rank": rank, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-            "pieces": [[p["name"], p["lo"], p["hi"]] for p in pieces]}
+            "pieces": [[p["name"], p["lo"], p["hi"]] for p in pieces], "files": list(linked.values())}
     _atomic_write(os.path.join(path, fname + ".json"), json.dumps(desc).encode())
 
     # every shard is on disk before rank 0 writes the metadata that names them
@@ -242,6 +280,7 @@ def save(engine, path, extra: dict | None = None) -> str:
         _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
         # the new checkpoint is in place: shards of earlier saves are garbage now
         keep = {s["file"] for s in shards} | {s["file"] + ".json" for s in shards} | {METADATA}
+        keep |= {f["file"] for s in shards for f in s["files"]}
         # (every rank has renamed its shard into place, so a file still named *.tmp-PID is left
         # over from a save that was interrupted: it goes too)
         for f in os.listdir(path):
@@ -294,28 +333,13 @@ def load(engine, path) -> dict:
         for seg in opt_segments:
             by_tensor.setdefault(id(seg[0]), (seg[0], []))[1].append(seg)
         for t, segs in by_tensor.values():
-            flat = t.data.view(-1)
-            keys, scalars, any_state = set(), {}, False
-            for _, t_lo, name, lo, hi in segs:
-                reader.fill(flat[t_lo:t_lo + hi - lo], name, lo, hi, "value")
-                for piece, _, _ in reader.pieces(name, lo, hi):
-                    keys |= set(piece["state"])
-                    for k, v in piece["scalars"].items():
-                        scalars.setdefault(k, v)
-                    any_state = any_state or bool(piece["state"]) or bool(piece["scalars"])
-            optimizer.state.pop(t, None)
-            if any_state:
-                state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
-                for k in sorted(keys):
-                    # padding and pieces without this state stay zero, as in a fresh shard
-                    state[k] = torch.zeros_like(t)
-                    for _, t_lo, name, lo, hi in segs:
-                        reader.fill(state[k].view(-1)[t_lo:t_lo + hi - lo], name, lo, hi, k, must_cover=False)
-                optimizer.state[t] = state
+            with engine.resident(t):    # (offload="disk": one unit's master in memory at a time)
+                _load_tensor(optimizer, reader, t, segs)
         for t, t_lo, name, lo, hi in frozen_segments:
             tmp = torch.empty(hi - lo)
             reader.fill(tmp, name, lo, hi, "value")
-            t.data.view(-1)[t_lo:t_lo + hi - lo].copy_(tmp)
+            with engine.resident(t):
+                t.data.view(-1)[t_lo:t_lo + hi - lo].copy_(tmp)
         buffers = reader.shard(0)["buffers"]
         for n, b in engine.model.named_buffers():
             b.copy_(buffers[n])
@@ -328,6 +352,28 @@ def load(engine, path) -> dict:
     if same:
         _set_rng_state(info["rng"])
     return dict(info["extra"])
+
+
+def _load_tensor(optimizer, reader, t, segs) -> None:
+    """One tensor the optimizer updates, and its optimizer state, from the pieces over `segs`."""
+    flat = t.data.view(-1)
+    keys, scalars, any_state = set(), {}, False
+    for _, t_lo, name, lo, hi in segs:
+        reader.fill(flat[t_lo:t_lo + hi - lo], name, lo, hi, "value")
+        for piece, _, _ in reader.pieces(name, lo, hi):
+            keys |= set(piece["state"])
+            for k, v in piece["scalars"].items():
+                scalars.setdefault(k, v)
+            any_state = any_state or bool(piece["state"]) or bool(piece["scalars"])
+    optimizer.state.pop(t, None)
+    if any_state:
+        state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
+        for k in sorted(keys):
+            # padding and pieces without this state stay zero, as in a fresh shard
+            state[k] = torch.zeros_like(t)
+            for _, t_lo, name, lo, hi in segs:
+                reader.fill(state[k].view(-1)[t_lo:t_lo + hi - lo], name, lo, hi, k, must_cover=False)
+        optimizer.state[t] = state
 
 
 def consolidate(path) -> dict:

@@ -88,17 +88,42 @@ def _check_metadata(meta) -> None:
           "shard ranks must be 0 .. world_size - 1")
     for s in shards:
         f = s.get("file")
-        # a file name inside the checkpoint directory: no directory part, no way out of it
-        _need(isinstance(f, str) and f == os.path.basename(f) and f not in ("", ".", "..")
-              and not f.startswith(".") and "/" not in f and "\\" not in f,
-              f"shard file {f!r} must be a plain file name inside the checkpoint directory")
-        _need(_is_int(s.get("bytes")) and isinstance(s.get("sha256"), str) and len(s["sha256"]) == 64,
-              f"shard {f!r} must record its size and SHA-256")
+        _check_file_entry(s, "shard")
+        # offload="disk": the engine's files, linked into the checkpoint (optional)
+        _need(isinstance(s.get("files", []), list), f"shard {f!r}: files must be a list")
+        for entry in s.get("files", []):
+            _check_file_entry(entry, "linked")
         _need(isinstance(s.get("pieces"), list), f"shard {f!r} must list its pieces")
         for piece in s["pieces"]:
             _need(isinstance(piece, list) and len(piece) == 3 and piece[0] in params
                   and _is_int(piece[1]) and _is_int(piece[2]) and piece[1] < piece[2]
                   <= _numel(params[piece[0]]["shape"]), f"piece {piece!r} of shard {f!r} is out of range")
+
+
+def _check_file_entry(entry, what) -> None:
+    """{"file", "bytes", "sha256"}: a file name inside the checkpoint directory (no directory
+    part, no way out of it), its size and its hash."""
+    _need(isinstance(entry, dict), f"{what} file entry {entry!r} must be an object")
+    f = entry.get("file")
+    _need(isinstance(f, str) and f == os.path.basename(f) and f not in ("", ".", "..")
+          and not f.startswith(".") and "/" not in f and "\\" not in f,
+          f"{what} file {f!r} must be a plain file name inside the checkpoint directory")
+    _need(_is_int(entry.get("bytes")) and isinstance(entry.get("sha256"), str) and len(entry["sha256"]) == 64,
+          f"{what} file {f!r} must record its size and SHA-256")
+
+
+# the dtypes a linked file may hold, and their names in a piece's reference
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _is_values(x, n, files) -> bool:
+    """A piece's values: a 1-D tensor of n elements, or a reference {file, dtype, offset} to n
+    elements inside one of the shard's linked files."""
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 1 and x.numel() == n
+    return (isinstance(x, dict) and set(x) == {"file", "dtype", "offset"} and x["file"] in files
+            and x["dtype"] in DTYPES and _is_int(x["offset"])
+            and (x["offset"] + n) * DTYPES[x["dtype"]].itemsize <= files[x["file"]])
 
 
 def _numel(shape) -> int:
@@ -108,16 +133,17 @@ def _numel(shape) -> int:
     return n
 
 
-def _check_shard(content, listed) -> None:
+def _check_shard(content, listed, files) -> None:
     _need(isinstance(content, dict) and content.get("format") == FORMAT, "not a zerolab shard")
     pieces = content.get("pieces")
     _need(isinstance(pieces, list) and len(pieces) == len(listed), "not the pieces the metadata lists")
     for piece, (name, lo, hi) in zip(pieces, listed):
         _need(isinstance(piece, dict) and [piece.get("name"), piece.get("lo"), piece.get("hi")] == [name, lo, hi],
               f"piece {name!r} [{lo}, {hi}) is not where the metadata says")
-        tensors = [piece.get("value")] + list(piece.get("state", {}).values())
-        _need(all(isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == hi - lo for t in tensors)
-              and isinstance(piece.get("scalars"), dict), f"piece {name!r} holds tensors of the wrong size")
+        _need(isinstance(piece.get("state"), dict), f"piece {name!r}: state malformed")
+        values = [piece.get("value")] + list(piece["state"].values())
+        _need(all(_is_values(v, hi - lo, files) for v in values) and isinstance(piece.get("scalars"), dict),
+              f"piece {name!r} holds tensors of the wrong size, or points outside its files")
     _need(_is_int(content.get("steps")) and isinstance(content.get("extra"), dict)
           and isinstance(content.get("rng"), dict) and isinstance(content.get("buffers"), dict)
           and isinstance(content.get("precision"), dict), "steps, extra, rng, buffers or precision malformed")
@@ -174,12 +200,38 @@ class Reader:
             except Exception as e:  # noqa: BLE001 - any unreadable file is reported the same way
                 raise CheckpointError(f"{f}: cannot be read as a weights-only torch file "
                                       f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+            for entry in s.get("files", []):
+                self._check_linked(entry)
             try:
-                _check_shard(content, s["pieces"])
+                _check_shard(content, s["pieces"], {e["file"]: e["bytes"] for e in s.get("files", [])})
             except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
                 raise CheckpointError(f"{f}: does not hold what the metadata lists ({e})") from None
             self._cache[si] = content
         return self._cache[si]
+
+    def _check_linked(self, entry) -> None:
+        """A linked file (offload="disk"): its size and SHA-256, read a block at a time."""
+        f = os.path.join(self.path, entry["file"])
+        if not os.path.exists(f):
+            raise CheckpointError(f"{f}: missing (a file of the offload engine this checkpoint links)")
+        digest, size = hashlib.sha256(), 0
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+                size += len(block)
+        if size != entry["bytes"] or digest.hexdigest() != entry["sha256"]:
+            raise CheckpointError(f"{f}: {size} bytes whose SHA-256 does not match the metadata "
+                                  f"(it records {entry['bytes']}): changed or corrupt")
+
+    def _read(self, ref, start, count) -> torch.Tensor:
+        """Elements [start, start + count) of a piece's values in a linked file."""
+        out = torch.empty(count, dtype=DTYPES[ref["dtype"]])
+        buf = memoryview(out.view(torch.uint8).numpy())
+        with open(os.path.join(self.path, ref["file"]), "rb", buffering=0) as f:
+            f.seek((ref["offset"] + start) * out.element_size())
+            if f.readinto(buf) != len(buf):
+                raise CheckpointError(f"{self.path}/{ref['file']}: shorter than the metadata says")
+        return out
 
     def pieces(self, name, lo, hi):
         """(piece dict, lo, hi) of every saved piece of `name` overlapping [lo, hi)."""
@@ -195,7 +247,10 @@ class Reader:
             if src is None:
                 continue
             a, b = max(lo, plo), min(hi, phi)
-            dst[a - lo:b - lo].copy_(src[a - plo:b - plo])
+            if isinstance(src, dict):   # in a linked file: only these elements are read
+                dst[a - lo:b - lo].copy_(self._read(src, a - plo, b - a))
+            else:
+                dst[a - lo:b - lo].copy_(src[a - plo:b - plo])
             covered += b - a
         if must_cover and covered != hi - lo:
             raise CheckpointError(f"{self.meta_path}: the shards cover {covered} of elements "

@@ -123,7 +123,7 @@ def train_measured(mode, offload_dir=None, *, n_layer=24, n_embd=256, steps=4, p
            "timeline": timeline}
     if pager:
         pager.close()
-        shutil.rmtree(offload_dir, ignore_errors=True)   # a demo's files: hundreds of MB
+        shutil.rmtree(pager.directory, ignore_errors=True)   # this rank's files: hundreds of MB
     return out
 
 
@@ -134,6 +134,47 @@ def budget_worker(offload_dir, n_layer=24, n_embd=256, steps=3):
                           steps=steps)
     memory = train_measured("memory", n_layer=n_layer, n_embd=n_embd, steps=steps)
     return {"disk": disk, "memory": memory}
+
+
+def checkpoint_worker(root, n_layer=8, n_embd=256):
+    """A checkpoint of a run from disk, saved and loaded within a budget 4x smaller than the model
+    states: resident-set growth (VmHWM after - VmRSS before) of the save and of the load into a
+    fresh engine, what the checkpoint directory holds, and the next step's loss of the saving
+    engine and of the loading one."""
+    from zerolab import checkpoint
+    rank, n = dist.get_rank(), dist.get_world_size()
+    return_freed_memory()
+    data = CharDataset(16)
+    ckpt = os.path.join(root, "ckpt")
+    out = {"losses": [], "growth": {}}
+    for which in ("save", "load"):
+        model, _ = meta_gpt(n_layer, n_embd)
+        eng = zl.ZeRO(model, OPT, stage=3, init_fn=gpt_init(n_layer), offload="disk",
+                      offload_dir=os.path.join(root, which))
+        if which == "save":
+            eng.backward(gpt_loss(eng, data.batch(0, 1, rank, n))[1])
+            eng.step()
+            eng.zero_grad()
+        base = status_kib("VmRSS")
+        reset_peak()
+        (checkpoint.save if which == "save" else checkpoint.load)(eng, ckpt)
+        out["growth"][which] = (status_kib("VmHWM") - base) * 1024
+        if which == "save":             # which files are the engine's own (hard links)
+            mine = [f for f in os.listdir(ckpt) if f.endswith(".bin") and f"-{rank:05d}-unit" in f]
+            out["linked"] = sum(os.path.samefile(os.path.join(ckpt, f), eng.pager.path(f.split("-", 4)[4][:-4]))
+                                for f in mine)
+            out["files"] = len(mine)
+            sizes = {f: os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt)}
+            out["bin_bytes"] = sum(v for f, v in sizes.items() if f.endswith(".bin"))
+            out["pt_bytes"] = sum(v for f, v in sizes.items() if f.endswith(".pt"))
+        loss = gpt_loss(eng, data.batch(1, 1, rank, n))[1]
+        eng.backward(loss)
+        eng.step()
+        out["losses"].append(loss.item())
+        eng.pager.close()
+        shutil.rmtree(eng.pager.directory, ignore_errors=True)
+    out["states"] = 16 * sum(p.numel() for p in model.parameters()) // n
+    return out
 
 
 def modes_worker(offload_dir, n_layer=24, n_embd=256, steps=3):

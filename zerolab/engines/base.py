@@ -335,7 +335,8 @@ class Engine:
         names = {id(p): n for n, p in self.model.named_parameters()}
         opt, frozen, _, _ = self.checkpoint_segments(names)
         for t, t_lo, name, lo, hi in opt + frozen:
-            t.view(-1)[t_lo:t_lo + hi - lo].copy_(state_dict[name].reshape(-1)[lo:hi])
+            with self.resident(t):
+                t.view(-1)[t_lo:t_lo + hi - lo].copy_(state_dict[name].reshape(-1)[lo:hi])
         self.refresh_compute(lambda flat, p: flat.copy_(state_dict[names[id(p)]].reshape(-1)))
         for name, b in self.model.named_buffers():
             b.copy_(state_dict[name])
@@ -394,3 +395,15 @@ class Engine:
         """After a load wrote the masters: make the compute copies (what forward uses) match.
         fill(flat, p) copies parameter p's saved value into the flat tensor."""
         self._publish()
+
+    def resident(self, tensor):
+        """A context inside which a segment's tensor is in memory, and after which what was
+        written into it (or put in its optimizer state) is kept. Everything is in memory here;
+        offload="disk" pages the tensor in and writes it back."""
+        return contextlib.nullcontext()
+
+    def checkpoint_files(self) -> dict:
+        """{id(tensor): (path, element offset)} of the segment and optimizer-state tensors whose
+        latest values are in a file, not in memory (offload="disk"): zerolab.checkpoint links
+        those files instead of copying their bytes. Here: none."""
+        return {}

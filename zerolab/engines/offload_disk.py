@@ -32,10 +32,18 @@ dtype's bytes, g the gradient's (c, or 4 once micro-batches accumulate in fp32):
     written (c + g + 12) k       gradient, master and state, the new parameter shard
 
 (the first step reads no optimizer state: 8k less). engine.disk_io() reports the OS's count.
+
+Checkpoints (zerolab.checkpoint) keep the bound too. A save copies no tensor: it hard-links
+each unit's master, optimizer-state and frozen-shard files into the checkpoint directory and
+records where each piece is in them. The pager never writes a file in place (it writes a new
+file and renames it over the old one), so the linked file keeps the saved bytes while training
+goes on. A load reads each piece from its file into one unit's master at a time, which is then
+written back to this engine's files (`resident`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -277,13 +285,10 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
 
     # -------------------------------------------------------------- whole-state operations
     def _page_in_all(self):
-        """Every master, shard and optimizer state in memory (checkpoints, full_state_dict,
-        load_state_dict): the bound on memory does not hold inside these."""
-        for i, u in enumerate(self._trained()):
+        """Every master and shard in memory, for full_state_dict (which gives every rank the
+        whole model anyway: the bound on memory cannot hold there)."""
+        for u in self._trained():
             self.pager.wait(u.key("master"))
-            for name, v in self._state(i, u):
-                if v.untyped_storage().nbytes() == 0:
-                    self.pager.wait(name)
         for u in self.units:
             for kind in u.shard:
                 self.pager.wait(u.key(kind))
@@ -305,14 +310,56 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
         finally:
             self._page_out_all(dirty=False)
 
-    def checkpoint_segments(self, names):
-        # zerolab.checkpoint reads (save) or writes (load) these tensors after this returns:
-        # they stay in memory, and the next step() writes them back
-        self._page_in_all()
-        for u in self.units:            # (a load changes them: the next page-out must write)
-            for what in ["master"] + list(u.shard):
-                self.pager.on_disk.discard(u.key(what))
-        return super().checkpoint_segments(names)
+    # -------------------------------------------------------------- checkpoints, a unit at a time
+    def _homes(self) -> dict:
+        """id(t) -> (unit index, unit, file name, element offset, state prefix) for every tensor a
+        checkpoint reads or writes: each master (with parameter groups: each group's view of it,
+        the view's optimizer state under its own names) and each frozen shard."""
+        homes, views = {}, self._group_views
+        for i, u in enumerate(self._trained()):
+            if views is None:
+                homes[id(self.masters[i])] = (i, u, u.key("master"), 0, u.key("opt0."))
+            else:
+                mine = [(v, lo) for v, j, lo, _ in views.views if j == i]
+                for j, (v, lo) in enumerate(mine):
+                    homes[id(v)] = (i, u, u.key("master"), lo, u.key(f"opt{j}."))
+        for u in self.units:
+            if "frozen" in u.shard:
+                homes[id(u.shard["frozen"])] = (None, u, u.key("frozen"), 0, None)
+        return homes
+
+    def _states_of(self, home) -> list:
+        i, u, _, _, prefix = home
+        return [] if prefix is None else [(n, v) for n, v in self._state(i, u) if n.startswith(prefix)]
+
+    def checkpoint_files(self) -> dict:
+        # every file written and up to date first; then no byte of the states needs memory
+        self._page_out_all(dirty=False)
+        self.pager.flush()
+        out = {}
+        for key, home in self._homes().items():
+            out[key] = (self.pager.path(home[2]), home[3])
+            for name, v in self._states_of(home):
+                out[id(v)] = (self.pager.path(name), 0)
+        return out
+
+    @contextlib.contextmanager
+    def resident(self, t):
+        """A load writes a tensor here: its file is read in, and the tensor (with any optimizer
+        state the load put beside it) written back and freed after, so at most one unit's
+        master is in memory while a checkpoint loads."""
+        home = self._homes().get(id(t))
+        if home is None:
+            yield
+            return
+        name = home[2]
+        self.pager.wait(name)
+        yield
+        self.pager.out(name, self.pager.tensors[name], dirty=True)
+        for state, v in self._states_of(home):
+            if v.untyped_storage().nbytes() > 0:    # (new: the old ones were never paged in)
+                self.pager.adopt(state, v)
+                self.pager.out(state, v)
 
     def _owned_grads(self) -> list:
         # engine.clip_grad_norm_() reads every gradient shard: they come back into memory
@@ -328,6 +375,7 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
             shard = self.pager.new(u.key("train"), u.shard["train"])
             self._upload(shard, master)
             self.pager.out(u.key("train"), shard)
+            self.pager.out(u.key("master"), master, dirty=False)
         self.pager.flush()
 
     def disk_io(self) -> dict:
