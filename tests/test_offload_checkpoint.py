@@ -8,6 +8,8 @@ equals that engine bit for bit: tests/test_offload.py.)
   themselves, hard-linked (os.path.samefile at save time), and its .pt files hold none of it;
 * the linked bytes are the save's: after two more steps have rewritten every offload file,
   consolidate() of the disk checkpoint equals the in-memory engine's checkpoint, torch.equal;
+* another world size or stage: one process, and ZeRO-2 (whose pieces start inside the saved
+  ones), load the disk checkpoint as they load the in-memory one;
 * another file system (os.link fails with EXDEV): the files are copied, and load the same;
 * resume: a fresh disk engine, a fresh in-memory engine, and a disk engine loading the
   in-memory checkpoint all continue bit for bit as the uninterrupted run, in bf16 with a frozen
@@ -51,13 +53,13 @@ CASES = {"bf16, frozen": dict(precision="bf16", opt=OPT, freeze=True),
          "fp32, groups": dict(precision="fp32", opt=grouped, freeze=False)}
 
 
-def engine(case, offload_dir=None):
+def engine(case, offload_dir=None, stage=3):
     torch.manual_seed(0)
     model = GPT(gpt_config("nano", bias=False))
     if case["freeze"]:
         model.pos_emb.weight.requires_grad_(False)
     kw = {} if offload_dir is None else {"offload": "disk", "offload_dir": offload_dir}
-    return zl.ZeRO(model, case["opt"], stage=3, precision=case["precision"], **kw)
+    return zl.ZeRO(model, case["opt"], stage=stage, precision=case["precision"], **kw)
 
 
 def steps(eng, first, last):
@@ -124,6 +126,13 @@ def case_worker(root, name):
         eng = engine(case, offload and os.path.join(d, offload))
         checkpoint.load(eng, os.path.join(d, src))
         out[who] = same(steps(eng, 2, 4), want)
+    # ZeRO-2 cuts one flat buffer into other pieces: each is read from inside the saved ones
+    zero2 = []
+    for src in ("ckpt-disk", "ckpt-memory"):
+        eng = engine(case, stage=2)
+        checkpoint.load(eng, os.path.join(d, src))
+        zero2.append(steps(eng, 2, 3))
+    out["zero2"] = same(*zero2)
     return out
 
 
@@ -176,6 +185,7 @@ def test_a_disk_checkpoint_keeps_the_saved_bytes_and_resumes_bit_for_bit(name):
     for r in results():
         c = r[name]
         assert c["uninterrupted disk"], "offload='disk' must equal the engine without it"
+        assert c["zero2"], "ZeRO-2 must load the disk checkpoint as it loads the in-memory one"
         for who in ("disk from disk", "memory from disk", "disk from memory", "disk from a copy"):
             assert c.get(who, True), f"{who}: the resumed run must equal the uninterrupted one bit for bit"
 
@@ -191,6 +201,24 @@ def test_saving_and_loading_a_model_four_times_the_budget_stays_under_it():
         assert m["growth"]["load"] <= budget, (m["growth"], budget)
         assert m["linked"] == m["files"] > 0
         assert m["losses"][0] == m["losses"][1], "the loaded engine must take the same next step"
+
+
+def test_a_disk_checkpoint_loads_into_one_process_as_the_in_memory_one_does():
+    """Another world size and engine: the pieces are cut differently, read from the files."""
+    results()
+    d = os.path.join(ROOT, "bf16-frozen")
+    loaded = []
+    for src in ("ckpt-disk", "ckpt-memory"):
+        torch.manual_seed(1)
+        model = GPT(gpt_config("nano", bias=False))
+        model.pos_emb.weight.requires_grad_(False)
+        eng = zl.SingleProcess(model, OPT, precision="bf16")
+        checkpoint.load(eng, os.path.join(d, src))
+        state = [v for s in eng.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        loaded.append((eng.full_state_dict(), state))
+    assert same(loaded[0][0], loaded[1][0])
+    assert len(loaded[0][1]) == len(loaded[1][1]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(loaded[0][1], loaded[1][1]))
 
 
 def test_a_changed_or_missing_linked_file_is_refused_by_name(tmp_path):

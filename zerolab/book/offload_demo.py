@@ -158,7 +158,7 @@ def checkpoint_worker(root, n_layer=8, n_embd=256):
         base = status_kib("VmRSS")
         reset_peak()
         (checkpoint.save if which == "save" else checkpoint.load)(eng, ckpt)
-        out["growth"][which] = (status_kib("VmHWM") - base) * 1024
+        out["growth"][which] = max(0, status_kib("VmHWM") - base) * 1024   # (RSS may fall meanwhile)
         if which == "save":             # which files are the engine's own (hard links)
             mine = [f for f in os.listdir(ckpt) if f.endswith(".bin") and f"-{rank:05d}-unit" in f]
             out["linked"] = sum(os.path.samefile(os.path.join(ckpt, f), eng.pager.path(f.split("-", 4)[4][:-4]))
@@ -174,6 +174,7 @@ def checkpoint_worker(root, n_layer=8, n_embd=256):
         eng.pager.close()
         shutil.rmtree(eng.pager.directory, ignore_errors=True)
     out["states"] = 16 * sum(p.numel() for p in model.parameters()) // n
+    out["k"] = shard_numel(model, n)
     return out
 
 
