@@ -140,6 +140,7 @@ def _link(src: str, directory: str, name: str) -> dict:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
             size += len(block)
+        os.fsync(f.fileno())        # (the engine never syncs its files; a checkpoint must survive a power cut)
     return {"file": name, "bytes": size, "sha256": digest.hexdigest()}
 
 

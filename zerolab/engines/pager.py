@@ -23,8 +23,10 @@ page cache is simply the operating system's part of the hierarchy.)
 Files are written atomically: bytes go to `<name>.tmp`, then os.replace() puts them in place,
 so a process killed in the middle of a write leaves the previous file whole (the .tmp is left
 behind and overwritten by the next write). There is no fsync: a killed process loses nothing
-the kernel already has; a power cut is what fsync is for, and a checkpoint, not the offload
-files, is what a run restarts from.
+the kernel already has; a power cut is what fsync is for, and a run restarts from a checkpoint,
+which syncs the files it links. Never writing a file in place is also what lets a checkpoint
+hard-link these files (zerolab.checkpoint): a write gives the name a new file, and the
+checkpoint's name keeps the old bytes.
 """
 
 from __future__ import annotations
