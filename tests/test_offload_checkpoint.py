@@ -17,6 +17,7 @@ equals that engine bit for bit: tests/test_offload.py.)
   holds views of the masters, with state per view);
 * memory: saving and loading the GPT at 4x a memory budget grows the resident set by less than
   the budget (the whole model was paged in for both before);
+* engine.load_state_dict(), a unit at a time, then a step: as the engine in memory;
 * damage: a linked file that changed, or is missing, is refused by name before anything loads.
 
 One launch at N = 2 runs every case.
@@ -133,6 +134,14 @@ def case_worker(root, name):
         checkpoint.load(eng, os.path.join(d, src))
         zero2.append(steps(eng, 2, 3))
     out["zero2"] = same(*zero2)
+    # engine.load_state_dict (the model's weights only, optimizer fresh), a unit at a time
+    sd = checkpoint.consolidate(os.path.join(d, "ckpt-memory"))
+    after = []
+    for offload in (None, "from-state-dict"):
+        eng = engine(case, offload and os.path.join(d, offload))
+        eng.load_state_dict(sd)
+        after.append(steps(eng, 2, 3))
+    out["load_state_dict"] = same(*after)
     return out
 
 
@@ -186,6 +195,7 @@ def test_a_disk_checkpoint_keeps_the_saved_bytes_and_resumes_bit_for_bit(name):
         c = r[name]
         assert c["uninterrupted disk"], "offload='disk' must equal the engine without it"
         assert c["zero2"], "ZeRO-2 must load the disk checkpoint as it loads the in-memory one"
+        assert c["load_state_dict"], "engine.load_state_dict from disk must equal it in memory"
         for who in ("disk from disk", "memory from disk", "disk from memory", "disk from a copy"):
             assert c.get(who, True), f"{who}: the resumed run must equal the uninterrupted one bit for bit"
 

@@ -313,13 +313,14 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
     # -------------------------------------------------------------- checkpoints, a unit at a time
     def _homes(self) -> dict:
         """id(t) -> (unit index, unit, file name, element offset, state prefix) for every tensor a
-        checkpoint reads or writes: each master (with parameter groups: each group's view of it,
-        the view's optimizer state under its own names) and each frozen shard."""
+        checkpoint or load_state_dict reads or writes: each master (with parameter groups, also
+        each group's view of it, with the view's optimizer state under its own names) and each
+        frozen shard."""
         homes, views = {}, self._group_views
         for i, u in enumerate(self._trained()):
-            if views is None:
-                homes[id(self.masters[i])] = (i, u, u.key("master"), 0, u.key("opt0."))
-            else:
+            # (load_state_dict writes the masters themselves, a checkpoint the views)
+            homes[id(self.masters[i])] = (i, u, u.key("master"), 0, u.key("opt0.") if views is None else None)
+            if views is not None:
                 mine = [(v, lo) for v, j, lo, _ in views.views if j == i]
                 for j, (v, lo) in enumerate(mine):
                     homes[id(v)] = (i, u, u.key("master"), lo, u.key(f"opt{j}."))
