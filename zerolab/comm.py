@@ -328,10 +328,7 @@ class Ledger:
             raise ValueError(f"all_gather: output has {output.numel()} elements; it must be "
                              f"input ({input.numel()}) times the group size ({_group_size(g)})")
         if _group_size(g) == 1:
-            # as the collective of N > 1 ranks, do not bump autograd's version counter: ZeRO-3
-            # re-gathers parameters that backward saved (the same values), into the same storage
-            with torch.autograd._unsafe_preserve_version_counter(output):
-                output.copy_(input.view_as(output))
+            output.copy_(input.view_as(output))
         return self._run("all_gather", output.numel(), output.dtype, lambda n: (n - 1) / n,
                          lambda g_, a: _all_gather(output, input, group=g_, async_op=a),
                          group, async_op, tag)
