@@ -10,9 +10,9 @@ when they travel. What does not differ lives here:
   fp16 and hands it to the engine's `_backward`, which runs autograd and the reduction;
 * step() refuses to run before a backward, measures the step's peak memory and runs ONE
   template (`_step`): the fp32 gradients of what the optimizer updates (`_step_grads`), one
-  finite check (`_grads_finite`), clipping, the optimizer inside `held_still` (parameters no
-  rank reached do not move, `_unreached`), then the updated masters are published to the
-  compute copies (`_publish`: a cast, an all-gather, ...);
+  finite check (`_grads_finite`), clipping, then the update (`_update`): the optimizer inside
+  `held_still` (parameters no rank reached do not move, `_unreached`), then the updated masters
+  are published to the compute copies (`_publish`: a cast, an all-gather, ...);
 * zero_grad() drops the gradients (`_release_grads`) and resets the guards;
 * what PyTorch's wrappers offer: module, parameters(), named_parameters(), train(), eval(),
   state_dict() / load_state_dict() (consolidated, the model's own keys), clip_grad_norm_(max)
@@ -178,17 +178,27 @@ class Engine:
             # sharded engines hold disjoint slices: their squared norms are summed over ranks
             self.last_grad_norm = clip_grad_norm_(grads, max_norm, self.comm if self.sharded else None,
                                                   group=self.norm_group)
+        self._update(self._held_ranges())   # the optimizer, then the compute copies
+        self.precision.update(found_inf=False)
+        return True
+
+    def _update(self, held) -> None:
+        """Apply the checked, clipped gradients: the optimizer updates the masters, then the
+        compute copies catch up (_publish). offload's delay_update overrides it: the optimizer
+        runs on a thread while the next forward and backward run, and publishes a step later."""
+        self._optimizer_step(held)
+        self._publish()
+        self._drop_step_grads()
+
+    def _optimizer_step(self, held) -> None:
+        """optimizer.step() on the masters; the ranges in `held` (_held_ranges) stay as they are."""
         views = self._group_views        # parameter groups on flat tensors (param_groups)
         if views is not None:
             views.point_grads()
-        with held_still(self.optimizer, self._held_ranges()):
+        with held_still(self.optimizer, held):
             self.optimizer.step()
         if views is not None:
             views.drop_grads()
-        self._publish()
-        self._drop_step_grads()
-        self.precision.update(found_inf=False)
-        return True
 
     # The defaults below are for one master per parameter (SingleProcess, NaiveDDP): in fp32
     # the masters ARE the parameters; in bf16/fp16 they are fp32 copies. The flat engines

@@ -39,14 +39,15 @@ bytes are the bytes a PCIe bus would carry; only the seconds are not a bus's sec
 tests run on CPU with gloo; the CUDA details here, pinning and synchronising, have not yet run
 on a GPU.)
 
-delay_update=True is ZeRO-Offload's one-step delayed parameter update (DPU): step() moves the
-gradients down, checks and clips them, then starts the optimizer on a background thread and
-returns; the forward and backward of the next step run meanwhile, on the parameters from
-BEFORE that update. The next step() waits for it and publishes it. So the gradient of step
-t+1 is computed on the weights of step t-1: every update lags one step (the paper turns it on
-after a few warm-up steps; here it is on from the start, so the first step's forward and the
-second's see the same weights). finish_update() lands the last one (state_dict,
-full_state_dict, checkpoints and zero_grad land it themselves).
+delay_update=True is ZeRO-Offload's one-step delayed parameter update (DPU): step() runs the
+engine's step template (gradients down, the finite check, clipping) and only its last part,
+`_update`, changes: it starts the optimizer on a background thread and step() returns; the
+forward and backward of the next step run meanwhile, on the parameters from BEFORE that
+update. The next step() waits for it and publishes it. So the gradient of step t+1 is computed
+on the weights of step t-1: every update lags one step (the paper turns it on after a few
+warm-up steps; here it is on from the start, so the first step's forward and the second's see
+the same weights). finish_update() lands the last one (state_dict, full_state_dict and
+checkpoints land it themselves; zero_grad leaves it running).
 """
 
 from __future__ import annotations
@@ -58,9 +59,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..buckets import held_still
 from ..memory import live_bytes, optimizer_tensors
-from ..precision import clip_grad_norm_
 
 MODES = ("optimizer", "disk")
 
@@ -201,42 +200,26 @@ class OptimizerOffload:
 
     # -------------------------------------------------------------- the delayed update
     def _step(self) -> bool:
-        if not self.delay_update:
-            return super()._step()
-        return self._delayed_step()
+        self.finish_update()            # delay_update: the last step's update lands first,
+        return super()._step()          # then ZeRO-3's _step releases its gathered units (stale)
 
-    @torch.no_grad()
-    def _delayed_step(self) -> bool:
-        self.finish_update()            # the update started by the last step, published now
-        for u in getattr(self, "units", ()):
-            u.release("step")           # ZeRO-3: a gathered copy would be stale after the update
-        grads = self._step_grads()
-        if not self._grads_finite(grads):
-            self._drop_step_grads()
-            self.precision.update(found_inf=True, step=self.steps)
-            return False
-        max_norm, self._clip_next = self._clip_next or self.max_grad_norm, None
-        if max_norm is not None:
-            self.last_grad_norm = clip_grad_norm_(grads, max_norm, self.comm if self.sharded else None)
-        held = self._held_ranges()      # (read now: the next backward changes what was reached)
+    def _update(self, held) -> None:
+        """delay_update: the optimizer runs on a thread and step() returns; finish_update, at the
+        next step, waits for it and publishes (a collective: on the main thread). `held` was read
+        by _step on this thread: the next backward changes which parameters were reached."""
+        if not self.delay_update:
+            return super()._update(held)
         box: list = []
 
         def update():                   # host arithmetic only: no collective on this thread
             try:
-                if self._group_views is not None:
-                    self._group_views.point_grads()
-                with held_still(self.optimizer, held):
-                    self.optimizer.step()
-                if self._group_views is not None:
-                    self._group_views.drop_grads()
+                self._optimizer_step(held)
             except BaseException as e:  # re-raised by finish_update, on the main thread
                 box.append(e)
 
         thread = threading.Thread(target=update, name="zerolab-offload-step", daemon=True)
         thread.start()
         self._in_flight = (thread, box)
-        self.precision.update(found_inf=False)
-        return True
 
     def finish_update(self) -> None:
         """delay_update: wait for the update in flight and publish it (up, then all-gather for
