@@ -221,6 +221,10 @@ class OptimizerOffload:
         thread.start()
         self._in_flight = (thread, box)
 
+    # no_grad: state_dict, checkpoints and users call it outside step(); with grad enabled the
+    # copies into the compute shards would be recorded by autograd, and ZeRO-3's next all-gather
+    # into them fails ("A view was created in no_grad mode and is being modified inplace")
+    @torch.no_grad()
     def finish_update(self) -> None:
         """delay_update: wait for the update in flight and publish it (up, then all-gather for
         stages 1-2). Every rank must call it (publishing is a collective); nothing if none."""
