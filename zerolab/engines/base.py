@@ -185,7 +185,7 @@ class Engine:
     def _update(self, held) -> None:
         """Apply the checked, clipped gradients: the optimizer updates the masters, then the
         compute copies catch up (_publish). offload's delay_update overrides it: the optimizer
-        runs on a thread while the next forward and backward run, and publishes a step later."""
+        runs on a thread during the next forward and backward, and the next step publishes."""
         self._optimizer_step(held)
         self._publish()
         self._drop_step_grads()
