@@ -133,6 +133,7 @@ def worker(root, n):
     if n == 2:
         out["delayed"].append(delayed_run(3, land_after=1))    # finish_update() in mid-run
         out["delayed_gives_up"] = [delayed_give_up(stage) for stage in (1, 2, 3)]
+        out["disk_gives_up"] = delayed_give_up(3, offload="disk", offload_dir=os.path.join(root, "give-up"))
         # a checkpoint (optimizer state included) and a resume
         for stage, mode in ((2, "optimizer"), (3, "disk")):
             out[("resume", stage, mode)] = same(resume_run(root, stage, mode, False),
@@ -296,16 +297,18 @@ class Boost(torch.nn.Module):
         return x * self.gain
 
 
-def delayed_give_up(stage):
-    """fp16 with delay_update: step 0 is finite (its update is in flight during step 1), then
-    Boost overflows at every step: the scale backs off 8 -> 4 -> 2 -> 1 and step 4 gives up."""
+def delayed_give_up(stage, **offload):
+    """fp16 with delay_update (or `offload`): step 0 is finite (its update is in flight during
+    step 1), then Boost overflows at every step: the scale backs off 8 -> 4 -> 2 -> 1 and step
+    4 gives up."""
+    offload = offload or {"offload": "optimizer", "delay_update": True}
     from collections import OrderedDict
     from zerolab.precision import LossScaler
     torch.manual_seed(0)
     boost = Boost()
     model = torch.nn.Sequential(OrderedDict(proj=torch.nn.Linear(4, 4), boost=boost, head=torch.nn.Linear(4, 1)))
     eng = zl.ZeRO(model, partial(torch.optim.SGD, lr=0.1), stage=stage, precision="fp16",
-                  offload="optimizer", delay_update=True, scaler=LossScaler(init_scale=8.0))
+                  scaler=LossScaler(init_scale=8.0), **offload)
     applied = []
     try:
         for s in range(10):
@@ -318,11 +321,12 @@ def delayed_give_up(stage):
     return applied, "never gave up"
 
 
-def test_an_fp16_give_up_under_delay_update_names_the_module():
+def test_an_fp16_give_up_under_delay_update_or_from_disk_names_the_module():
     # as tests/test_precision.py for the engines without offload: Boost is the only module
     # whose output can exceed fp16's range (an independent reference for "which module")
     for rank_out in results(2):
-        for stage, (applied, message) in zip((1, 2, 3), rank_out["delayed_gives_up"]):
+        cases = list(zip((1, 2, 3), rank_out["delayed_gives_up"])) + [("3, disk", rank_out["disk_gives_up"])]
+        for stage, (applied, message) in cases:
             assert applied == [True, False, False, False], (stage, applied)
             assert "fp16 gives up at step 4" in message, (stage, message)
             assert "boost produced inf" in message and "its inputs were finite" in message, (stage, message)

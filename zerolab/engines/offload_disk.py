@@ -219,14 +219,17 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
         if inv is not None:
             marker = [] if finite else [torch.tensor([float("inf")])]
             if found_overflow(marker, self.precision.ledger, self.precision.group):
-                self.precision.update(found_inf=True, step=self.steps)
+                try:                    # (as Engine._step: a give-up names the module)
+                    self.precision.update(found_inf=True, step=self.steps)
+                except FloatingPointError as gave_up:
+                    raise FloatingPointError(f"{gave_up} {self._diagnose()}") from None
                 return False
         else:
             self._sums = sums
             self._grads_finite([])      # raises on inf / nan (fp32, bf16), from the sums above
         coef = 1.0
         if max_norm is not None:
-            self.comm.all_reduce(sq, op="sum", tag="grad_norm")
+            self.comm.all_reduce(sq, op="sum", group=self.norm_group, tag="grad_norm")
             self.last_grad_norm = math.sqrt(sq.item())
             coef = max_norm / (self.last_grad_norm + 1e-6)
         # pass 2: each unit's update, reading the next unit's files meanwhile
