@@ -440,6 +440,41 @@ def test_sigterm_or_sighup_to_the_parent_stops_the_ranks_and_removes_their_files
     assert not left, left
 
 
+def test_a_signal_while_a_rank_starts_stops_that_rank_too(tmp_path):
+    """SIGHUP arriving inside Process.start(), just after the second rank was started: before
+    that rank is in the list of ranks to stop. It must be stopped too; otherwise it sleeps on,
+    and Python's exit waits for it forever."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import contextlib, os, signal, sys\nsys.path.insert(0, %r)\nimport zerolab as zl\n"
+        "L = sys.modules['zerolab.launch']\nfrom test_launch import sleep_forever\n"
+        "hidden, started = L._main_module_hidden, []\n"
+        "@contextlib.contextmanager\n"
+        "def hup_after_the_second_start(fn):\n"
+        "    with hidden(fn):\n"
+        "        yield\n"
+        "    started.append(1)\n"
+        "    if len(started) == 2:\n"
+        "        os.kill(os.getpid(), signal.SIGHUP)\n"
+        "L._main_module_hidden = hup_after_the_second_start\n"
+        "if __name__ == '__main__':\n    zl.launch(sleep_forever, 2)\n" % os.path.dirname(__file__))
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "TMPDIR": str(scratch)},
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGHUP
+    # (left out of the ranks to stop, the rank either slept on, and exit hung, or found its log
+    # directory removed and died with a traceback: whichever came first)
+    assert "Traceback" not in err, err
+    time.sleep(0.5)
+    assert not [p.name for p in scratch.iterdir() if p.name.startswith("zerolab-launch-")]
+
+
 def sleep_ignoring_sigterm():
     signal.signal(signal.SIGTERM, signal.SIG_IGN)   # the parent's clean-up must kill it: ~3 s
     time.sleep(3600)

@@ -295,13 +295,16 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
                             args=(fn, tuple(args), r, world_size, addr, port, backend,
                                   collective_timeout, send, log))
             try:
-                with _main_module_hidden(fn):
+                # Ctrl-C, SIGTERM or SIGHUP wait until the rank is in procs: arriving inside
+                # start() (the first one starts the fork server: seconds), they would leave a
+                # running rank that nothing stops and that Python's exit would wait for forever
+                with _interrupts_held(), _main_module_hidden(fn):
                     p.start()
+                    procs.append(p)
             except Exception as exc:  # noqa: BLE001 - typically an argument that cannot be pickled
                 raise LaunchError(f"launch: could not start rank {r}: {exc!r}. Every argument in "
                                   "args must be picklable (tensors, numbers, dataclasses...).", r) from None
             send.close()  # the child holds the only sending end: EOF means it died
-            procs.append(p)
             conns.append(receive)
             logs.append(log)
         values = collect(procs, conns, logs, timeout)
