@@ -421,6 +421,14 @@ def test_master_addr_of_a_cluster_script_does_not_open_the_store_to_the_network(
     assert all(addr == "127.0.0.1" for sockets in per_rank for addr, _ in sockets), per_rank
 
 
+def as_from_a_terminal():
+    """preexec_fn: the job's SIGINT, SIGTERM and SIGHUP as a terminal gives them. A shell starts a
+    background job with SIGINT ignored, and nohup ignores SIGHUP; zl.launch rightly leaves an
+    ignored signal ignored, so run under either these tests would wait for nothing."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_or_sighup_to_the_parent_stops_the_ranks_and_removes_their_files(tmp_path, sig):
     script = tmp_path / "job.py"
@@ -430,7 +438,7 @@ def test_sigterm_or_sighup_to_the_parent_stops_the_ranks_and_removes_their_files
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "TMPDIR": str(scratch)})
+                            env={**os.environ, "TMPDIR": str(scratch)}, preexec_fn=as_from_a_terminal)
     assert proc.stdout.readline().strip() == "started"
     time.sleep(3.0)                                  # the ranks are up and sleeping
     proc.send_signal(sig)
@@ -461,7 +469,8 @@ def test_a_signal_while_a_rank_starts_stops_that_rank_too(tmp_path):
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     proc = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "TMPDIR": str(scratch)},
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=as_from_a_terminal)
     try:
         _, err = proc.communicate(timeout=30)
     finally:
@@ -489,7 +498,8 @@ def test_a_second_ctrl_c_during_the_clean_up_leaves_nothing_behind(tmp_path):
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "TMPDIR": str(scratch)})
+                            text=True, env={**os.environ, "TMPDIR": str(scratch)},
+                            preexec_fn=as_from_a_terminal)
     assert proc.stdout.readline().strip() == "started"
     time.sleep(3.0)                       # the ranks are up and sleeping
     proc.send_signal(signal.SIGINT)       # the clean-up starts: SIGTERM, then 3 s, then SIGKILL
