@@ -48,7 +48,7 @@ import shutil
 
 import torch
 
-from .checkpoint_reader import FORMAT, METADATA, CheckpointError, Reader, _check_path, check_save_dir
+from .checkpoint_reader import FORMAT, METADATA, CheckpointError, Reader, _check_path, check_save_dir, file_digest
 from .engines.base import Engine
 
 
@@ -135,13 +135,10 @@ def _link(src: str, directory: str, name: str) -> dict:
         tmp = f"{dst}.tmp-{os.getpid()}"
         shutil.copyfile(src, tmp)
         os.replace(tmp, dst)
-    digest, size = hashlib.sha256(), 0
     with open(dst, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-            size += len(block)
         os.fsync(f.fileno())        # (the engine never syncs its files; a checkpoint must survive a power cut)
-    return {"file": name, "bytes": size, "sha256": digest.hexdigest()}
+    size, sha256 = file_digest(dst)
+    return {"file": name, "bytes": size, "sha256": sha256}
 
 
 def _rng_state() -> dict:

@@ -112,6 +112,16 @@ def _check_file_entry(entry, what) -> None:
           f"{what} file {f!r} must record its size and SHA-256")
 
 
+def file_digest(path) -> tuple[int, str]:
+    """(size, SHA-256) of a file, read a block at a time (a linked file may be the model)."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+            size += len(block)
+    return size, digest.hexdigest()
+
+
 # the dtypes a linked file may hold, and their names in a piece's reference
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -214,12 +224,8 @@ class Reader:
         f = os.path.join(self.path, entry["file"])
         if not os.path.exists(f):
             raise CheckpointError(f"{f}: missing (a file of the offload engine this checkpoint links)")
-        digest, size = hashlib.sha256(), 0
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(block)
-                size += len(block)
-        if size != entry["bytes"] or digest.hexdigest() != entry["sha256"]:
+        size, sha256 = file_digest(f)
+        if size != entry["bytes"] or sha256 != entry["sha256"]:
             raise CheckpointError(f"{f}: {size} bytes whose SHA-256 does not match the metadata "
                                   f"(it records {entry['bytes']}): changed or corrupt")
 
