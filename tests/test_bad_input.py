@@ -28,6 +28,16 @@ def _frozen_model():
     return m
 
 
+def _stepped(model):
+    """An optimizer that has already stepped: it holds state for the model's own tensors."""
+    opt = torch.optim.Adam(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    model.zero_grad()
+    return opt
+
+
 def _meta_gpt():
     with torch.device("meta"):
         return models.GPT(models.gpt_config("nano"))
@@ -68,9 +78,15 @@ CASES = [
     ("launch args not tuple", lambda m, d: zl.launch(top_level, 2, args=5), TypeError, "args must be a tuple"),
     # ---- engines: zl.DDP, zl.NaiveDDP, zl.ZeRO (stages 1-3), zl.SingleProcess
     ("DDP model str", lambda m, d: zl.DDP("gpt", ADAM), TypeError, "model must be a torch.nn.Module"),
-    pytest.param(*("DDP built optimizer", lambda m, d: zl.DDP(m, torch.optim.SGD(m.parameters(), lr=0.1)), TypeError,
-     "optimizer must be a factory")),
-    pytest.param(*("DDP optimizer int", lambda m, d: zl.DDP(m, 3), TypeError, "optimizer must be a callable")),
+    ("DDP built optimizer with state", lambda m, d: zl.DDP(m, torch.optim.Adagrad(m.parameters())), TypeError,
+     "already holds state"),
+    ("DDP optimizer of another model", lambda m, d: zl.DDP(m, torch.optim.SGD(_frozen_model().parameters(), lr=0.1)),
+     TypeError, "not this model's parameters"),
+    ("DDP optimizer int", lambda m, d: zl.DDP(m, 3), TypeError, "optimizer must be a torch optimizer"),
+    ("DDP no optimizer, bf16", lambda m, d: zl.DDP(m, precision="bf16"), ValueError, "fp32 only"),
+    ("DDP no optimizer, max_grad_norm", lambda m, d: zl.DDP(m, max_grad_norm=1.0), ValueError,
+     "torch.nn.utils.clip_grad_norm_"),
+    ("ZeRO-1 no optimizer", lambda m, d: zl.ZeRO(m, None, stage=1), TypeError, "needs an optimizer"),
     ("DDP Adafactor", lambda m, d: zl.DDP(m, functools.partial(torch.optim.Adafactor, lr=1e-2)), TypeError,
      "Adafactor updates each element from its whole tensor"),
     ("ZeRO-2 Adafactor class", lambda m, d: zl.ZeRO(m, torch.optim.Adafactor, stage=2), TypeError,
@@ -105,8 +121,8 @@ CASES = [
     ("ZeRO-1 bucket_mb 0", lambda m, d: zl.ZeRO(m, ADAM, stage=1, bucket_mb=0), ValueError, "bucket_mb"),
     ("ZeRO-2 precision", lambda m, d: zl.ZeRO(m, ADAM, stage=2, precision="half"), ValueError,
      "unknown precision 'half'"),
-    pytest.param(*("ZeRO-2 built optimizer", lambda m, d: zl.ZeRO(m, torch.optim.Adam(m.parameters()), stage=2), TypeError,
-     "optimizer must be a factory")),
+    ("ZeRO-2 built optimizer, stepped", lambda m, d: zl.ZeRO(m, _stepped(m), stage=2), TypeError,
+     "already holds state"),
     ("ZeRO-2 model list", lambda m, d: zl.ZeRO([m], ADAM, stage=2), TypeError, "model must be a torch.nn.Module"),
     ("ZeRO-3 prefetch -1", lambda m, d: zl.ZeRO(m, ADAM, stage=3, prefetch=-1), ValueError, "prefetch must be an int"),
     ("ZeRO-3 prefetch float", lambda m, d: zl.ZeRO(m, ADAM, stage=3, prefetch=1.5), ValueError, "prefetch"),

@@ -199,14 +199,7 @@ def worker_features():
     out["overflow_same"] = all(torch.equal(before[k], v) for k, v in eng.full_state_dict().items())
     out["scale"] = eng.precision.scaler.scale
 
-    # backward twice without step: a clear error on every rank, no hang
-    eng.zero_grad()
-    eng.backward(loss_fn(eng, data.batch(1, B, rank, n))[1])
-    try:
-        eng.backward(loss_fn(eng, data.batch(1, B, rank, n))[1])
-        out["twice"] = None
-    except RuntimeError as e:
-        out["twice"] = str(e)
+    # (backward twice without step accumulates, as one process does: tests/test_engines.py)
 
     # fp32: an inf in ONE rank's loss makes every rank's averaged gradient non-finite: each raises,
     # before the optimizer touches anything (no hang, no half-applied step)
@@ -257,7 +250,6 @@ def test_accumulation_overlap_overflow_and_errors():
         assert r["bytes"] == 2 * (n - 1) / n * (r["padded"] + r["n_params"]) * 4
         assert r["memory"]["grads"] == (r["padded"] + r["n_params"]) * 4 and r["memory"]["params"] >= r["padded"] * 4
         assert r["overflow_applied"] is False and r["overflow_same"] and r["scale"] == 2.0**15
-        assert r["twice"] is not None and "backward() called twice" in r["twice"]
         assert r["mismatch"] is not None and "encoder.weight" in r["mismatch"]
         assert r["nonfinite"] is not None and "non-finite gradients" in r["nonfinite"] and r["nonfinite_same"]
 
@@ -305,9 +297,9 @@ def test_bad_input_single_process():
         zl.DDP(model, OPT, bucket_mb=-1.0)
     with pytest.raises(TypeError, match="optimizer"):
         zl.DDP(AwkwardModel(), "adam")
-    with pytest.raises(TypeError, match="factory"):
+    with pytest.raises(TypeError, match="already holds state"):
         m = AwkwardModel()
-        zl.DDP(m, torch.optim.AdamW(m.parameters()))
+        zl.DDP(m, torch.optim.Adagrad(m.parameters()))
     frozen = AwkwardModel().requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameters"):
         zl.DDP(frozen, OPT)

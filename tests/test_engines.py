@@ -69,37 +69,56 @@ def misuse_each_engine():
             engine.step()
         except RuntimeError as e:
             seen["step first"] = str(e)
-        engine.backward(engine(x).pow(2).sum())
-        try:
-            engine.backward(engine(x).pow(2).sum())
+        engine(x).pow(2).sum().backward()
+        try:                        # a second backward before step(): accumulate, or refuse
+            engine(x).pow(2).sum().backward()
         except RuntimeError as e:
             seen["backward twice"] = str(e)
         engine.step()
-        try:    # a forgotten zero_grad(): the next backward would add to averaged gradients
-            engine.backward(engine(x).pow(2).sum())
+        try:                        # a forgotten zero_grad(): the next backward adds, or is refused
+            engine(x).pow(2).sum().backward()
+            engine.step()
         except RuntimeError as e:
             seen["no zero_grad"] = str(e)
         engine.zero_grad()
-        engine.backward(engine(x).pow(2).sum())     # zero_grad() clears the guard
+        engine(x).pow(2).sum().backward()           # zero_grad() clears every guard
         engine.step()
+        seen["weight"] = engine.state_dict()["weight"]
         out[name] = seen
     return out
 
 
+def one_process_accumulating(ranks: int = 2):
+    """What one process does with the same loop on the global batch (each rank's loss is a sum
+    over its rows, so the global loss is their mean): backward twice, step, backward again with
+    no zero_grad, step, zero_grad, backward, step."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def backward():
+        sum(model(torch.full((2, 4), float(r + 1))).pow(2).sum() for r in range(ranks)).div(ranks).backward()
+    backward(), backward(), opt.step(), backward(), opt.step(), opt.zero_grad(), backward(), opt.step()
+    return model.weight.detach()
+
+
 def test_every_engine_has_the_same_guards():
-    seen = zl.launch(misuse_each_engine, 2)[0]
+    seen = zl.launch(misuse_each_engine, 2)[0]    # rank 0's view
     for name, s in seen.items():
         # step() with no gradient would be a silent no-op (or a step on stale gradients)
         assert "before backward" in s.get("step first", ""), name
-        if name in ("naive", "ddp", "zero1"):
-            # their reduction averaged the full gradient in place: a second backward would add a
-            # local gradient to an averaged one, so it is refused and no_sync is named
-            assert "no_sync" in s.get("backward twice", ""), name
-            assert "without zero_grad()" in s.get("no zero_grad", ""), name
+        if name == "zero1":
+            # a rank holds the averaged gradient of its slice only, beside local gradients of the
+            # other slices: a second backward cannot be added, so it is refused, naming both cures
+            assert "no_sync" in s.get("backward twice", "") and "zero_grad()" in s["backward twice"], name
+            assert "zero_grad()" in s.get("no zero_grad", ""), name
         else:
-            # one process, and the engines whose reduced gradients live in shards that add up,
-            # accumulate a second backward as PyTorch does
+            # one process, DDP (the reduction divides each backward's gradient by N, so an
+            # averaged p.grad plus a new backward averages again) and the engines whose shards add
+            # up accumulate a second backward as PyTorch does: the same weights as one process
             assert "backward twice" not in s and "no zero_grad" not in s, name
+            reference = one_process_accumulating(1 if name == "single" else 2)   # (single: its own rows)
+            torch.testing.assert_close(s["weight"], reference, rtol=1e-6, atol=1e-6, msg=name)
 
 
 def engines_that_differ(what):

@@ -42,6 +42,7 @@ _LAZY = {
     "ZeRO1": ("zerolab.engines.zero1", "ZeRO1"),
     "ZeRO2": ("zerolab.engines.zero2", "ZeRO2"),
     "ZeRO3": ("zerolab.engines.zero3", "ZeRO3"),
+    "ShardedOptimizer": ("zerolab.sharded_optimizer", "ShardedOptimizer"),   # ZeRO-1's optimizer half
 }
 
 

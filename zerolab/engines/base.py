@@ -1,23 +1,31 @@
 """What every engine does the same way, written once.
 
-An engine wraps a model and an optimizer factory; what differs between SingleProcess, NaiveDDP,
-DDP, ZeRO-1, ZeRO-2 and ZeRO-3 is where the gradients, masters and optimizer state live and
-when they travel. What does not differ lives here:
+An engine wraps a model and an optimizer; what differs between SingleProcess, NaiveDDP, DDP,
+ZeRO-1, ZeRO-2 and ZeRO-3 is where the gradients, masters and optimizer state live and when
+they travel. What does not differ lives here:
 
-* calling the engine casts floating inputs to the compute dtype, then runs the forward;
-* backward(loss) guards against misuse, divides the loss by N (the one place it is divided:
-  gloo has no average, so the sum the collectives compute is then the mean), scales it in
-  fp16 and hands it to the engine's `_backward`, which runs autograd and the reduction;
-* step() refuses to run before a backward, measures the step's peak memory and runs ONE
-  template (`_step`): the fp32 gradients of what the optimizer updates (`_step_grads`), one
-  finite check (`_grads_finite`), clipping, then the update (`_update`): the optimizer inside
-  `held_still` (parameters no rank reached do not move, `_unreached`), then the updated masters
-  are published to the compute copies (`_publish`: a cast, an all-gather, ...);
+* calling the engine casts floating inputs to the compute dtype, runs the forward, and hooks
+  its output, so the engine sees every backward through it, whoever starts it;
+* a backward is the same whether the script calls loss.backward() (PyTorch's loop) or
+  engine.backward(loss) (which only adds fp16's loss scaling): its first hook begins it
+  (`_begin_backward`: misuse refused, the reducer's state reset, an end-of-backward callback
+  queued) and the callback ends it (`_end_backward`: the engine's `_finish_backward` waits for
+  every reduction, so when backward returns every gradient is averaged). Each reduction divides
+  by N on its way (gloo has no average), never the loss;
+* step() refuses gradients it should not apply (none, fp16 unscaled, never averaged), measures
+  the step's peak memory and runs ONE template (`_step`): the fp32 gradients of what the
+  optimizer updates (`_step_grads`), one finite check (`_grads_finite`), clipping, then the
+  update (`_update`): the optimizer inside `held_still` (parameters no rank reached do not move,
+  `_unreached`), then the updated masters are published to the compute copies (`_publish`: a
+  cast, an all-gather, ...);
 * zero_grad() drops the gradients (`_release_grads`) and resets the guards;
+* engine.optimizer is the script's torch optimizer, its groups moved onto what the engine
+  updates and its step() / zero_grad() the engine's (engines.param_groups.hand_over), so
+  optimizer.step(), optimizer.zero_grad() and torch.optim.lr_scheduler work as written;
 * what PyTorch's wrappers offer: module, parameters(), named_parameters(), train(), eval(),
-  state_dict() / load_state_dict() (consolidated, the model's own keys), clip_grad_norm_(max)
-  (the norm over every rank's shard, applied by the next step) and gathered_parameters()
-  (ZeRO-3 gathers the full weights inside it; the other engines always hold them);
+  require_backward_grad_sync, state_dict() / load_state_dict() (consolidated, the model's own
+  keys), clip_grad_norm_(max) (the norm over every rank's shard, applied by the next step) and
+  gathered_parameters() (ZeRO-3 gathers the full weights inside it; the others hold them);
 * full_state_dict() consolidates: the engine says where the full fp32 value of each trained
   parameter is (`_full_values`, which may gather shards), and every key of model.state_dict()
   gets an fp32 CPU copy, tied weights one tensor under both keys;
@@ -29,23 +37,40 @@ when they travel. What does not differ lives here:
 
 A subclass sets, in its __init__: model, precision, world_size, comm, max_grad_norm, steps,
 track_peak, last_peak, last_activations, last_grad_norm, optimizer (engines.setup does most
-of it), params and masters. The defaults suit one fp32 master per parameter; the flat
-engines redefine _step_grads, _publish, _release_grads, _full_values and _memory_tensors.
+of it), params and masters, and ends with _watch_parameters(). The defaults suit one fp32
+master per parameter; the flat engines redefine _step_grads, _publish, _release_grads,
+_full_values and _memory_tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+from collections.abc import Mapping
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..buckets import held_still
 from ..memory import PeakMemory, live_bytes, optimizer_tensors
 from ..precision import clip_grad_norm_
 from . import grad_guard
-from .setup import check_max_grad_norm, measured_forward
+from .setup import broadcast_from_rank0, check_max_grad_norm, measured_forward
+
+
+def tensors_in(output) -> list:
+    """Every tensor in a module's output: nested tuples, lists and dicts, and the fields of a
+    dataclass or a mapping (a Hugging Face ModelOutput with .logits and .loss)."""
+    out = []
+    for x in tree_flatten(output)[0]:
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, Mapping):
+            out += tensors_in(list(x.values()))
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            out += tensors_in([getattr(x, f.name) for f in dataclasses.fields(x)])
+    return out
 
 
 def flat_segments(tensor, bucket, shard, names) -> list:
@@ -65,40 +90,76 @@ class Engine:
 
     peak_meter = PeakMemory     # what step() measures its peak with (ZeRO-3 adds its own counts)
     sharded = False             # does each rank hold only a slice of the gradients and masters?
-    # May backward() run again after a synced backward, before step()? Yes where the reduced
-    # gradients accumulate correctly (one process; ZeRO-2 and 3 add into their shards); no where
-    # the reduction averaged the full gradient in place (NaiveDDP, DDP, ZeRO-1): a second
-    # backward would add a local gradient to an averaged one.
+    # May a reducing backward run again before zero_grad()? Yes where the reduction leaves each
+    # gradient where the next backward adds to it (one process; DDP and NaiveDDP: p.grad; ZeRO-2
+    # and 3: the shards); no for ZeRO-1, whose rank holds the averaged gradient of its own slice
+    # only, beside the other slices' local ones (it refuses, naming zero_grad and no_sync).
     accumulates_after_reduce = True
+    optimizer = None            # the script's torch optimizer, handed over (None: DDP without one)
     _sync = True                # False inside no_sync()
     _backward_done = False      # a backward ran since the last step() / zero_grad()
-    _reduced = False            # a synced backward reduced the gradients held now (until zero_grad)
+    _reduced = False            # a reducing backward ran since the last zero_grad()
+    _unreduced = False          # the last backward ran inside no_sync(): not averaged yet
     track_activations = False   # measure the activations each forward leaves (engines.setup)
     _clip_next = None           # max_norm of a clip_grad_norm_() call, for the next step
     _group_views = None         # flat engines with several parameter groups: param_groups.GroupViews
     broadcast_buffers = False   # data-parallel engines: True by default (engines.setup)
     norm_group = None           # the group whose shards make up the whole gradient once (None: all)
     _last_batch = None          # fp16: the last training forward's inputs, to diagnose a give-up
+    _src = 0                    # the rank whose weights and buffers every rank starts from
 
     # -------------------------------------------------------------- forward
     def __call__(self, *args, **kwargs):
         """The forward, called as the model is (keywords and nested inputs too: a Hugging Face
         model's input_ids=..., labels=...). Floating tensors are cast to the compute dtype."""
-        if self.broadcast_buffers and self._sync and torch.is_grad_enabled():
-            # as PyTorch DDP: every rank starts a training forward from rank 0's buffers
-            # (BatchNorm's running statistics), which its own batches would otherwise pull apart
-            for b in self.model.buffers():
-                self.comm.broadcast(b, src=self._src, tag="buffers")
+        training = torch.is_grad_enabled()
+        if self._sync_buffers_next and self.broadcast_buffers:
+            self._broadcast_buffers()
+        # PyTorch DDP's rule: buffers are synced at the forward that FOLLOWS a synced training
+        # forward, so the first eval forward after training (no_grad too) sees rank 0's statistics
+        self._sync_buffers_next = training and self._sync
         dtype = self.precision.compute_dtype
         args, kwargs = tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
                                 else x, (args, kwargs))
-        if self.precision.scaler is not None and torch.is_grad_enabled():
+        if self.precision.scaler is not None and training:
             self._last_batch = (args, kwargs)   # a reference, not a copy: the batch is alive anyway
-        return self._forward(*args, **kwargs)
+        if training:
+            self._in_backward = False   # a new forward: whatever backward ran before has ended
+        out = self._forward(*args, **kwargs)
+        if training:
+            self._watch_output(out, self._sync)
+        return out
 
     def _forward(self, *args, **kwargs):
         # the model's forward; with track_activations, also the bytes it leaves alive
         return measured_forward(self, *args, **kwargs)
+
+    def _broadcast_buffers(self):
+        # rank 0's buffers (BatchNorm's running statistics), one broadcast per dtype
+        buffers = list(self.model.buffers())
+        if buffers and self.world_size > 1:
+            broadcast_from_rank0(buffers, self.comm, self._src, tag="buffers")
+
+    def _watch_output(self, out, synced: bool) -> None:
+        """Hook the forward's output: its gradient is the first thing any backward through it
+        computes, so the engine learns a backward has begun whoever started it. `synced` is
+        whether this forward ran outside no_sync() (as in PyTorch DDP, the forward decides)."""
+        for t in tensors_in(out):
+            if t.requires_grad:
+                t.register_hook(lambda grad, synced=synced: self._output_grad(synced))
+
+    def _output_grad(self, synced: bool) -> None:
+        if not self._in_backward:
+            self._begin_backward(synced)
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """PyTorch DDP's flag (nanoGPT sets it per micro-batch): False is the same as no_sync()."""
+        return self._sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._sync = bool(value)
 
     # -------------------------------------------------------------- what a PyTorch wrapper offers
     @property
@@ -120,39 +181,123 @@ class Engine:
         return self.train(False)
 
     # -------------------------------------------------------------- backward
-    def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward() (on loss / N, scaled in fp16); the engine reduces the gradients."""
-        if self._reduced and not self.accumulates_after_reduce:
-            if self._backward_done:
-                raise RuntimeError(
-                    "backward() called twice without step() or zero_grad() in between: the "
-                    "gradients of the first backward were already averaged over ranks. To "
-                    "accumulate over micro-batches, run all but the last backward inside "
-                    "`with engine.no_sync():`.")
-            raise RuntimeError(
-                "backward() after step() without zero_grad(): the gradients of the last step were "
-                "averaged over ranks, and adding a new backward to them would count them N times. "
-                "Call engine.zero_grad() after each step (or before each forward).")
-        if self.world_size > 1:
-            # a scalar divide instead of a pass over every gradient (exact when N is a power of 2)
-            loss = loss / self.world_size
-        trainable = [p for p in self.model.parameters() if p.requires_grad] if self.sharded else []
-        grad_guard.unhide(trainable)
-        self._backward(self.precision.scale_loss(loss, step=self.steps))
-        if self._sync:          # p.grad is not what this rank updates with: guard it
-            grad_guard.hide(trainable, f"ZeRO-{getattr(self, 'stage', '?')}")
-        self._backward_done = True
-        self._reduced = self._reduced or self._sync
+    # A backward is the same whoever starts it: engine.backward(loss) or the script's own
+    # loss.backward(). Its first hook (on the forward's output, or a parameter's if the output
+    # was bypassed) calls _begin_backward, which queues _end_backward to run when autograd has
+    # no work left; so when loss.backward() returns every gradient is reduced, as in PyTorch DDP.
+    _in_backward = False        # between a backward's first hook and its end
+    _scaling = False            # inside engine.backward (fp16: the loss was scaled)
+    _unscaled = False           # fp16: a backward ran without engine.backward (refused by step)
+    _guarded = False            # p.grad holds guards (grad_guard) since the last reducing backward
+    _reducing_now = True        # does the backward in progress reduce (outside no_sync)?
+    _sync_buffers_next = True   # broadcast rank 0's buffers at the next forward (PyTorch DDP's rule)
+    reduces_in_no_sync = False  # ZeRO-2 and 3 reduce every backward (no full gradient to keep)
 
-    def _backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), scaled in fp16: the one thing a bare loss.backward() cannot do. The
+        engine's hooks reduce the gradients either way (each reduction divides by N)."""
+        scaled = self.precision.scale_loss(loss, step=self.steps)
+        began = self._began = False
+        self._in_backward = False      # a new backward (even on the outputs of an old forward)
+        self._scaling = True
+        try:
+            scaled.backward()
+            began = self._began
+        finally:
+            self._scaling = False
+        if not began:                  # no hook fired: no parameter of this rank was reached,
+            self._begin_backward(self._sync, queue=False)   # but the other ranks' collectives
+            self._end_backward()                            # need this rank's (zeros) all the same
+
+    def _begin_backward(self, synced: bool, queue: bool = True) -> None:
+        """A backward begins: refuse a misuse before any gradient is touched, reset the reducer's
+        per-backward state (engines' _reset_backward_state), queue the end-of-backward callback."""
+        self._in_backward = self._began = True
+        self._reducing_now = (synced and self._sync) or self.reduces_in_no_sync
+        if self.precision.scaler is not None and not self._scaling:
+            self._unscaled = True
+        self._take_back_guards()
+        if self._reducing_now and self._reduced and not self.accumulates_after_reduce:
+            raise RuntimeError(
+                f"a second backward on gradients that {type(self).__name__} already reduced, with no "
+                "zero_grad() in between: its reduction cannot add a new backward to them. Call "
+                "zero_grad() (engine.optimizer.zero_grad(), model.zero_grad()) after each step; to "
+                "accumulate over micro-batches, run all but the last backward inside "
+                "`with engine.no_sync():`.")
+        if not self._backward_done:
+            self._reset_step_state()
+        self.last_backward = {"start": self.comm.now(), "compute_end": None, "end": None}
+        self._reset_backward_state()
+        if queue:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        """Autograd has no work left: the engine finishes its reduction (_finish_backward); then
+        step() may run, and p.grad of a sharded engine holds a guard."""
+        if self.last_backward.get("compute_end") is None:
+            self.last_backward["compute_end"] = self.comm.now()
+        if self._reducing_now:
+            self._finish_backward()
+        self.last_backward["end"] = self.comm.now()
+        self._backward_done = True
+        self._reduced = self._reduced or self._reducing_now
+        self._unreduced = not self._reducing_now and self.world_size > 1
+        if self.sharded and self._reducing_now:   # p.grad is not what this rank updates with
+            grad_guard.hide(self._trainable(), self)
+            self._guarded = True
+        self._in_backward = False
+
+    def _take_back_guards(self) -> None:
+        """Before a backward adds to p.grad: remove the guards. If the script removed them all
+        (model.zero_grad(), a torch optimizer's zero_grad(), p.grad = None), it zeroed the
+        gradients: drop the ones the engine holds, as zero_grad() does."""
+        if not self._guarded:
+            return
+        kept = grad_guard.count(self._trainable())
+        if kept == 0:
+            self.zero_grad()
+            return
+        if kept < len(self._trainable()):
+            raise RuntimeError(
+                f"p.grad was set to None for some parameters but not others since the last backward: "
+                f"under ZeRO-{getattr(self, 'stage', '?')} the gradients live in the engine, sharded, so "
+                "they can only be zeroed all together: call zero_grad() (engine.optimizer.zero_grad() "
+                "or model.zero_grad()).")
+        grad_guard.unhide(self._trainable())
+        self._guarded = False
+
+    def _watch_parameters(self) -> None:
+        """The end of every engine's construction: a hook on each trainable parameter, run
+        BEFORE its gradient is added to p.grad, begins a backward that bypassed the output
+        hook (a loss computed from the parameters themselves, say) before p.grad is touched."""
+        self._trainable_params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in self._trainable_params:
+            p.register_hook(self._param_grad)
+
+    def _param_grad(self, grad):
+        if not self._in_backward:
+            self._begin_backward(self._sync)
+        return None
+
+    def _trainable(self) -> list:
+        return self._trainable_params
+
+    _trainable_params: list = []
+
+    # What an engine's reducer does (the defaults: nothing to reduce, one process).
+    def _reset_step_state(self) -> None:
+        """The step's first backward begins (after step() or zero_grad())."""
+
+    def _reset_backward_state(self) -> None:
+        """Any backward begins: forget what the last one delivered."""
+
+    def _finish_backward(self) -> None:
+        """The end of a reducing backward: every gradient reduced (waited for) when it returns."""
 
     # -------------------------------------------------------------- the step
     def step(self) -> bool:
         """Unscale, check, clip, update. False (and nothing changed) when an fp16 overflow skips it."""
-        if not self._backward_done:
-            raise RuntimeError("step() called before backward(): there is no gradient to apply. "
-                               "Call engine.backward(loss) first (on every rank).")
+        self._check_step()
         if self.track_peak:
             with self.peak_meter("cpu") as peak:
                 applied = self._step()
@@ -160,8 +305,29 @@ class Engine:
         else:
             applied = self._step()
         self.steps += 1
-        self._backward_done = False     # (_reduced stays until zero_grad: see backward)
+        self._backward_done = False     # (_reduced stays until zero_grad: see _begin_backward)
         return applied
+
+    def _check_step(self) -> None:
+        """Refuse a step whose gradients are not what it should apply."""
+        if self.optimizer is None:
+            raise RuntimeError(
+                f"{type(self).__name__} was built without an optimizer, as DistributedDataParallel is: "
+                "step your own (built on engine.parameters()) after loss.backward(); the gradients "
+                "in p.grad are already averaged over ranks.")
+        if not self._backward_done:
+            raise RuntimeError("step() called before backward(): there is no gradient to apply. "
+                               "Call loss.backward() (or engine.backward(loss)) first, on every rank.")
+        if self._unscaled:
+            raise RuntimeError(
+                "precision='fp16' needs engine.backward(loss): it multiplies the loss by the loss "
+                "scale before backward, and a bare loss.backward() skipped that (its small gradients "
+                "may have flushed to zero, and step() would divide by a scale never applied). "
+                "Call engine.zero_grad(), then use engine.backward(loss).")
+        if self._unreduced:
+            raise RuntimeError(
+                "step() after a backward inside no_sync(): those gradients were never averaged over "
+                "ranks. Run the last micro-batch's forward and backward outside no_sync().")
 
     @torch.no_grad()
     def _step(self) -> bool:
@@ -196,9 +362,15 @@ class Engine:
         if views is not None:
             views.point_grads()
         with held_still(self.optimizer, held):
-            self.optimizer.step()
+            self._run_optimizer()
         if views is not None:
             views.drop_grads()
+
+    def _run_optimizer(self, optimizer=None) -> None:
+        """The torch optimizer's own step (engine.optimizer.step() is the engine's whole step:
+        param_groups.hand_over)."""
+        optimizer = self.optimizer if optimizer is None else optimizer
+        type(optimizer).step(optimizer)
 
     # The defaults below are for one master per parameter (SingleProcess, NaiveDDP): in fp32
     # the masters ARE the parameters; in bf16/fp16 they are fp32 copies. The flat engines
@@ -271,11 +443,13 @@ class Engine:
     # -------------------------------------------------------------- gradients
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient. zerolab always frees them (set_to_none=False is accepted and
-        does the same): the next backward writes fresh ones."""
+        does the same): the next backward writes fresh ones. engine.optimizer.zero_grad() is this,
+        and so, under a sharded engine, is model.zero_grad() (_take_back_guards)."""
         self._release_grads()
         self._drop_step_grads()
         grad_guard.unhide(self.model.parameters())
-        self._backward_done = self._reduced = False
+        self._guarded = False
+        self._backward_done = self._reduced = self._unscaled = self._unreduced = False
 
     def _release_grads(self) -> None:
         self.model.zero_grad(set_to_none=True)

@@ -2,15 +2,20 @@
 
     engine = zl.DDP(model, partial(torch.optim.AdamW, lr=3e-4), precision="bf16", bucket_mb=25)
     logits, loss = zl.models.gpt_loss(engine, batch)    # this rank's share of the global batch
-    engine.backward(loss)                               # gradients are averaged over ranks here
-    engine.step()                                       # every rank takes the same step
+    loss.backward()                                     # gradients are averaged over ranks here
+    engine.optimizer.step()                             # every rank takes the same step
 
 Gradients land in flat bucket buffers (zerolab.buckets: p.grad is a view into bucket.grad).
 Buckets follow the reverse forward order, so the first one fills first; as soon as a bucket's
-last gradient is accumulated (a post-accumulate-grad hook) it is reduced asynchronously while
-backward continues. An end-of-backward callback launches any bucket still waiting (parameters
-the backward never reached) and waits for them all. Buckets are always launched in index
-order, so every rank issues the same collectives in the same order and nothing can deadlock.
+last gradient is accumulated (a post-accumulate-grad hook) it is divided by N and reduced
+asynchronously while backward continues. An end-of-backward callback launches any bucket still
+waiting (parameters the backward never reached) and waits for them all, so when backward
+returns every p.grad is the mean. Buckets are always launched in index order, so every rank
+issues the same collectives in the same order and nothing can deadlock.
+
+Like DistributedDataParallel it may be built without an optimizer (zl.DDP(model), fp32): the
+script's own optimizer over engine.parameters() then steps the averaged p.grad, parameter by
+parameter.
 
 This class is also the reducer of ZeRO-1 and ZeRO-2, which change four small steps of it:
 
@@ -22,12 +27,12 @@ This class is also the reducer of ZeRO-1 and ZeRO-2, which change four small ste
 and the layout: `shards[b]` is the slice of bucket b this rank updates (DDP: all of it).
 
 Three choices keep the work per step small (on a CPU, where every operation costs time on the
-same cores, they make zl.DDP faster than PyTorch's C++ DDP):
-- Engine.backward divides the LOSS by N (gloo has no average; the all-reduce's sum is the mean);
+same cores, they matter):
 - zero_grad() sets every p.grad to None, so the next backward copies each fresh gradient into
   its slot of the bucket once, instead of zeroing the buckets and adding into them;
-- the optimizer is built on one flat tensor per bucket (the parameters' own buffers, or the
-  fp32 masters' in bf16/fp16), as ZeRO's is on its slices: AdamW makes a dozen calls per
+- the division by N is one pass over each bucket's flat buffer, just before its collective;
+- the engine's optimizer is built on one flat tensor per bucket (the parameters' own buffers,
+  or the fp32 masters' in bf16/fp16), as ZeRO's is on its slices: AdamW makes a dozen calls per
   tensor it updates, so 4 buckets instead of 53 parameter tensors (the book's GPT) more than
   halve the optimizer's time. Any elementwise torch.optim optimizer computes the same numbers
   as on the parameters one by one (zerolab.buckets). Parameter groups (decay / no-decay,
@@ -58,12 +63,12 @@ class DDP(NaiveDDP):
     uses it to show what overlap buys).
     """
 
-    flat_optimizer = "zl.DDP"   # the optimizer steps on one flat tensor per bucket
+    flat_optimizer = "zl.DDP"   # the engine's optimizer steps on one flat tensor per bucket
     checkpoint_kind = "ddp"
     overlap_default = True      # launch each bucket as soon as it is full
     reduces_in_no_sync = False  # inside no_sync gradients only accumulate (ZeRO-2 differs)
 
-    def __init__(self, model: torch.nn.Module, optimizer, *, precision="fp32", bucket_mb=25.0,
+    def __init__(self, model: torch.nn.Module, optimizer=None, *, precision="fp32", bucket_mb=25.0,
                  max_grad_norm=None, scaler=None, track_peak: bool = True, overlap: bool | None = None,
                  mesh=None, checkpoint_activations=False, partition_activations=False,
                  offload_activations=False, track_activations=None, broadcast_buffers=True):
@@ -94,8 +99,8 @@ class DDP(NaiveDDP):
                       enumerate((p, self.buckets.where[p]) for p in self.params)}
         self._sizes = [len(b.params) for b in self.buckets.buckets]
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
-        self._reached = [False] * len(self.params)   # did a backward of this step reach param k?
         self._unused = set()      # positions of params no rank reached in this step
+        self._reset_step_state()
         self._reset_backward_state()
         self._release_grads()     # no gradient until the first backward, as in PyTorch
 
@@ -136,37 +141,26 @@ class DDP(NaiveDDP):
         self._group_views = views if views.views else None
 
     # -------------------------------------------------------------- the reducer
+    # Engine._begin_backward resets it (_reset_step_state at a step's first backward,
+    # _reset_backward_state at every one); the hooks below fill and launch the buckets; the
+    # end-of-backward callback (_finish_backward) launches the rest and waits for all.
+    def _reset_step_state(self):
+        self._reached = [False] * len(self.params)   # did a backward of this step reach param k?
+
     def _reset_backward_state(self):
         self._missing = list(self._sizes)   # per bucket: gradients this backward has not delivered
         self._counted = set()        # ids of params delivered in this backward
         self._next = 0               # the next bucket to launch: always in index order
         self._pending = []           # (bucket, handle) launched and not completed, oldest first
         self._bucket_sums = []       # DDP: each reduced bucket's sum, for the step's finite check
-        self._callback_queued = False
-        self._finished = False
-
-    def _backward(self, loss):
-        if not self._backward_done:   # the step's first backward (no_sync micro-batches follow)
-            self._reached = [False] * len(self.params)
-        self._reset_backward_state()
-        # times on the ledger's clock, for timelines: backward start, end of autograd's
-        # work, end of the last wait
-        self.last_backward = {"start": self.comm.now(), "compute_end": None, "end": None}
-        loss.backward()
-        if (self._sync or self.reduces_in_no_sync) and not self._finished:
-            # no trainable parameter was reached at all, so no hook queued the callback
-            self._finish_backward()
 
     def _on_grad_ready(self, p):
         # The hot path: it runs once per parameter per backward, so it does as little as it can.
         b, i, k = self._slot[id(p)]
         self._take(p, b, i, k)
         self._reached[k] = True
-        if not (self._sync or self.reduces_in_no_sync):
+        if not self._reducing_now:
             return                   # no_sync: the gradient just accumulates in its bucket
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self._callback_queued = True
         if id(p) not in self._counted:   # (a hook can fire twice, e.g. reentrant checkpointing)
             self._counted.add(id(p))
             self._missing[b] -= 1
@@ -192,19 +186,25 @@ class DDP(NaiveDDP):
         self._pending.append((b, self._reduce(b)))
         self._next = b + 1
 
+    def _ready_to_reduce(self, b, flat):
+        """Bucket b's buffer `flat`, about to be reduced: a slot whose p.grad is not its view (no
+        gradient since zero_grad) still holds an old value and contributes zeros; a slot that is
+        p.grad holds p's gradient, whichever backward added it. Then the buffer is divided by N,
+        so the SUM the collective computes is the mean (gloo has no average)."""
+        if self._missing[b]:
+            bucket = self.buckets.buckets[b]
+            for i, p in enumerate(bucket.params):
+                if id(p) not in self._counted and p.grad is not bucket.grad_view(i):
+                    bucket.grad_view(i).zero_()
+        if self.world_size > 1:
+            flat.div_(self.world_size)
+
     def _reduce(self, b):
         """Start bucket b's collective; return its handle."""
         bucket, buf = self.buckets.buckets[b], self._flats[b]
-        if self._missing[b]:
-            # a parameter of this bucket this step did not reach keeps last step's value in its
-            # slot: it contributes zeros
-            for p in bucket.params:
-                k = self._slot[id(p)][2]
-                if not self._reached[k]:
-                    self._grad_views[k].zero_()
+        self._ready_to_reduce(b, bucket.grad)
         if b == len(self._flats) - 1:   # the last one carries the "reached" flags
             buf[bucket.padded_numel:] = torch.tensor(self._reached, dtype=buf.dtype)
-        # the loss was divided by N in backward(): the SUM of the ranks' gradients is the mean
         return self.comm.all_reduce(buf, async_op=True, tag=f"bucket{b}")
 
     def _wait_oldest(self):
@@ -226,8 +226,6 @@ class DDP(NaiveDDP):
         self._unused = self._agree_unused()
         while self._pending:
             self._wait_oldest()
-        self._finished = True
-        self.last_backward["end"] = self.comm.now()
 
     def _agree_unused(self) -> set:
         """Positions of the parameters NO rank reached this step (read from the last bucket,

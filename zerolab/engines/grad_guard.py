@@ -8,7 +8,13 @@ torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm), would then clip no
 one rank's local norm: a silently different run. So after a synced backward every trainable
 p.grad is a GradientElsewhere: its shape and dtype can be looked at, anything that reads its
 values raises an error naming engine.clip_grad_norm_. The engine removes the guards before the
-next backward and at zero_grad (model.zero_grad() does it too: it sets p.grad to None).
+next backward and at zero_grad.
+
+The guards also tell the engine when a script zeroed the gradients in its own way: torch's
+model.zero_grad() (and a torch optimizer's zero_grad()) sets every p.grad to None, which
+removes every guard; with set_to_none=False it calls p.grad.zero_() on each, which the guard
+passes on to the engine's zero_grad(). Either way the engine drops the gradients it holds
+(Engine._take_back_guards), so a PyTorch loop zeroes what it means to zero.
 """
 
 from __future__ import annotations
@@ -19,14 +25,20 @@ import torch
 class GradientElsewhere(torch.Tensor):
     """Stands in p.grad after a sharded backward (a zero-stride view of one shared element)."""
 
-    LOOKS = frozenset({"size", "dim", "numel", "stride", "is_floating_point", "get_device", "__get__", "__set__"})
-    engine = "ZeRO"
+    LOOKS = frozenset({"size", "dim", "numel", "stride", "is_floating_point", "get_device", "__get__",
+                       "__set__", "requires_grad_", "detach_"})
+    engine = None               # the engine whose zero_grad() p.grad.zero_() means
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") not in cls.LOOKS:
+        name = getattr(func, "__name__", "")
+        if name == "zero_" and cls.engine is not None:   # Module.zero_grad(set_to_none=False)
+            cls.engine.zero_grad()
+            return args[0]
+        if name not in cls.LOOKS:
+            stage = getattr(cls.engine, "stage", "?")
             raise RuntimeError(
-                f"p.grad under {cls.engine}: each rank holds the averaged gradient of its own 1/N "
+                f"p.grad under ZeRO-{stage}: each rank holds the averaged gradient of its own 1/N "
                 "slice inside the engine, not in p.grad, so torch.nn.utils.clip_grad_norm_"
                 "(model.parameters()) or a norm read from p.grad would see one rank's piece or "
                 "nothing. Clip with engine.clip_grad_norm_(max_norm) (it returns the global norm) "
@@ -35,12 +47,15 @@ class GradientElsewhere(torch.Tensor):
             return func(*args, **(kwargs or {}))
 
 
-_ONE = {}   # dtype -> the one zero element every guard of that dtype is a view of
+_ONE = {}   # (dtype, device) -> the one zero element every guard of that dtype is a view of
 
 
-def hide(params, engine_name: str) -> None:
+def hide(params, engine) -> None:
     """Put a guard in every trainable parameter's .grad."""
-    kind = type(f"GradientElsewhere[{engine_name}]", (GradientElsewhere,), {"engine": engine_name})
+    kind = getattr(engine, "_guard_kind", None)
+    if kind is None:            # one guard class per engine: p.grad.zero_() reaches its zero_grad
+        kind = engine._guard_kind = type(f"GradientElsewhere[ZeRO-{getattr(engine, 'stage', '?')}]",
+                                         (GradientElsewhere,), {"engine": engine})
     for p in params:
         key = (p.dtype, p.device)
         if key not in _ONE:
@@ -53,6 +68,11 @@ def unhide(params) -> None:
     for p in params:
         if isinstance(p.grad, GradientElsewhere):
             p.grad = None
+
+
+def count(params) -> int:
+    """How many of `params` still hold a guard."""
+    return sum(isinstance(p.grad, GradientElsewhere) for p in params)
 
 
 def real(grads) -> list:

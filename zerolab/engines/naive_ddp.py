@@ -2,21 +2,25 @@
 
     engine = zl.NaiveDDP(model, partial(torch.optim.AdamW, lr=3e-4), precision="bf16")
     logits, loss = zl.models.gpt_loss(engine, batch)    # this rank's share of the global batch
-    engine.backward(loss)                               # gradients are averaged over ranks here
-    engine.step()                                       # every rank takes the same step
+    loss.backward()                                     # gradients are averaged over ranks here
+    engine.optimizer.step()                             # every rank takes the same step
 
 Every rank holds the whole model and the whole optimizer; after backward each gradient is
-all-reduced on its own, with a blocking call. Simple, and slow: many small messages, and the
-network sits idle during the whole backward. zerolab.engines.ddp.DDP is the fast version.
+divided by N and all-reduced on its own, with a blocking call (a sum of grad/N: the mean).
+Simple, and slow: many small messages, and the network sits idle during the whole backward.
+zerolab.engines.ddp.DDP is the fast version.
+
+Like DistributedDataParallel it may be built without an optimizer (zl.NaiveDDP(model)): the
+script's own optimizer over engine.parameters() then steps the averaged p.grad.
 
 What every data-parallel engine shares is here, and DDP, ZeRO-1 and ZeRO-2 inherit it:
 the set-up (zerolab.engines.setup.start_data_parallel: checks, the group, ZeRO-R's options),
 the broadcast of rank 0's weights, the measured forward and no_sync.
 
 Buffers (BatchNorm's running statistics) are not gradients: each rank's own batches would pull
-them apart. As in PyTorch DDP, every training forward (grad enabled, outside no_sync) first
-broadcasts rank 0's buffers to every rank (broadcast_buffers=True, the default of every
-data-parallel engine, ZeRO-3's included; False leaves each rank its own).
+them apart. As in PyTorch DDP, the forward that follows a training forward (grad enabled,
+outside no_sync) first broadcasts rank 0's buffers to every rank (broadcast_buffers=True, the
+default of every data-parallel engine, ZeRO-3's included; False leaves each rank its own).
 """
 
 from __future__ import annotations
@@ -36,10 +40,10 @@ class NaiveDDP(Engine):
     """Data parallelism the obvious way: after backward, all-reduce each gradient, one by one."""
 
     flat_optimizer = None   # the optimizer steps parameter by parameter (DDP, ZeRO: flat buffers)
+    takes_no_optimizer = True   # optimizer=None: the script steps its own (DistributedDataParallel's way)
     checkpoint_kind = "naive_ddp"
-    accumulates_after_reduce = False    # (Engine.backward)
 
-    def __init__(self, model: torch.nn.Module, optimizer, *, precision="fp32", max_grad_norm=None,
+    def __init__(self, model: torch.nn.Module, optimizer=None, *, precision="fp32", max_grad_norm=None,
                  scaler=None, track_peak: bool = True, mesh=None, checkpoint_activations=False,
                  partition_activations=False, offload_activations=False,
                  track_activations=None, broadcast_buffers=True):
@@ -55,12 +59,17 @@ class NaiveDDP(Engine):
         start_data_parallel(self, model, optimizer, **options)
         # ranks start identical: rank 0's parameters and buffers (frozen ones too)
         broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), self.comm, self._src)
-        # the factory sees the model's parameters, so its parameter groups can tell them apart
-        self.optimizer, self._group_of = param_groups.build(optimizer, model, options["precision"],
-                                                            self.flat_optimizer)
+        # the optimizer sees the model's parameters, so its parameter groups can tell them apart
+        self.optimizer, self._group_of = None, {}
+        if optimizer is not None:
+            self.optimizer, self._group_of = param_groups.build(optimizer, model, options["precision"],
+                                                                self.flat_optimizer)
         self.params = bucket_order(model)
         self._setup_storage()
-        self._place_groups()
+        if self.optimizer is not None:
+            self._place_groups()
+            param_groups.hand_over(self.optimizer, self)
+        self._watch_parameters()
 
     def _place_groups(self):
         """Move the optimizer's groups onto what this engine updates: one master per parameter."""
@@ -78,7 +87,8 @@ class NaiveDDP(Engine):
     def no_sync(self):
         """Accumulate gradients over micro-batches without communicating.
 
-        The backward after the block (outside it) reduces the accumulated sum once.
+        The backward after the block (outside it, of a forward outside it) reduces the
+        accumulated sum once.
         """
         self._sync = False
         try:
@@ -86,16 +96,7 @@ class NaiveDDP(Engine):
         finally:
             self._sync = True
 
-    def _backward(self, loss):
-        # (Engine.backward divided the loss by N: the all-reduce's sum is the mean)
-        self.last_backward = {"start": self.comm.now()}
-        loss.backward()
-        self.last_backward["compute_end"] = self.comm.now()
-        if self._sync:
-            self._reduce_after_backward()
-        self.last_backward["end"] = self.comm.now()
-
-    def _reduce_after_backward(self):
+    def _finish_backward(self):
         # Which parameters did any rank reach? One no rank reached keeps grad None (the
         # optimizer skips it, as in a single process); the others are reduced by every rank.
         used = torch.tensor([float(p.grad is not None) for p in self.params])
@@ -105,7 +106,9 @@ class NaiveDDP(Engine):
                 continue
             if p.grad is None:  # reached on another rank only: this rank contributes zeros
                 p.grad = torch.zeros_like(p)
-            self.comm.all_reduce(p.grad, tag="grad")   # a sum of grads/N: the mean
+            elif self.world_size > 1:
+                p.grad.div_(self.world_size)
+            self.comm.all_reduce(p.grad, tag="grad")   # a sum of grad/N: the mean
 
     # the step, full_state_dict and memory_report: Engine's, one master per parameter. The
     # gradients are identical on every rank after the all-reduce, so every rank's finite check

@@ -266,7 +266,7 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
         if self._group_views is not None:
             self._group_views.point_grads()
         with held_still(self.optimizer, [r for r in held if id(r[0]) in mine]):
-            self.optimizer.step()
+            self._run_optimizer()
         if self._group_views is not None:
             self._group_views.drop_grads()
         master.grad = None

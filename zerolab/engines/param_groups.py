@@ -7,9 +7,10 @@ configure_optimizers, Hugging Face's Trainer):
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=3e-4)
 
-So an engine calls the optimizer factory with the model's trainable parameters (real shapes,
-real names: such a rule works as written), checks what it built (`build`), and then moves every
-group onto the tensors the engine really updates, keeping each group's hyperparameters:
+So an engine takes that optimizer as built (or calls a factory with the model's trainable
+parameters: real shapes, real names, so such a rule works as written), checks it (`build`),
+moves every group onto the tensors the engine really updates, keeping each group's
+hyperparameters, and makes the optimizer's step() and zero_grad() the engine's (`hand_over`):
 
 * one master per parameter (SingleProcess, NaiveDDP): the parameter itself, or its fp32 copy
   (`place_per_parameter`);
@@ -24,18 +25,26 @@ group onto the tensors the engine really updates, keeping each group's hyperpara
 
 from __future__ import annotations
 
+import types
+import weakref
 
-def build(factory, model, precision: str, flat_engine: str | None = None):
-    """(optimizer, group_of): factory(the model's trainable parameters), checked.
+import torch
+
+
+def build(optimizer, model, precision: str, flat_engine: str | None = None):
+    """(optimizer, group_of): the script's optimizer, checked. `optimizer` is a torch optimizer
+    built on the model's parameters (DeepSpeed's "client optimizer"), or a factory the engine calls
+    on the model's trainable parameters.
 
     group_of maps id(parameter) -> index of its group. Refused with a TypeError: an optimizer on
     tensors that are not this model's parameters, a trainable parameter in no group (a single
     process would never move it; flat tensors would), and an optimizer that already holds state.
     """
     from .setup import check_built_optimizer, check_optimizer_factory
-    check_optimizer_factory(factory, precision, flat_engine)
+    check_optimizer_factory(optimizer, precision, flat_engine)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = factory(trainable)
+    built = isinstance(optimizer, torch.optim.Optimizer)
+    opt = optimizer if built else optimizer(trainable)
     check_built_optimizer(opt, flat_engine)
     mine = {id(p): n for n, p in model.named_parameters()}
     group_of = {}
@@ -43,10 +52,13 @@ def build(factory, model, precision: str, flat_engine: str | None = None):
         for p in group["params"]:
             if id(p) not in mine:
                 raise TypeError(
-                    "the optimizer factory built an optimizer on tensors that are not this model's "
-                    "parameters. The engine calls it with the model's trainable parameters: use its "
-                    "argument (e.g. functools.partial(torch.optim.AdamW, lr=3e-4)), or the "
-                    "named_parameters() of the model you wrap, not of another copy.")
+                    ("the optimizer holds tensors that are not this model's parameters: build it on "
+                     "the parameters of the model you wrap (model.parameters()), not of another copy."
+                     if built else
+                     "the optimizer factory built an optimizer on tensors that are not this model's "
+                     "parameters. The engine calls it with the model's trainable parameters: use its "
+                     "argument (e.g. functools.partial(torch.optim.AdamW, lr=3e-4)), or the "
+                     "named_parameters() of the model you wrap, not of another copy."))
             if p.requires_grad:
                 group_of[id(p)] = g
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
@@ -61,8 +73,47 @@ def build(factory, model, precision: str, flat_engine: str | None = None):
             f"the optimizer already holds state for {len(opt.state)} tensor(s) ({type(opt).__name__} "
             "creates it when built, or it was stepped): the engine moves the parameter groups onto "
             "its own tensors, so it needs an optimizer that creates its state at the first step "
-            "(SGD, Adam, AdamW, ...).")
+            "(SGD, Adam, AdamW, ...). To resume, build a fresh one and load the state with "
+            "zl.checkpoint.load(engine, path).")
     return opt, group_of
+
+
+def hand_over(opt, engine) -> None:
+    """The engine's optimizer from now on: opt.step() is engine.step() (unscale, check, clip, the
+    update, the all-gather) and opt.zero_grad() is engine.zero_grad(), so a script that keeps its
+    optimizer (nanoGPT's loop, a torch.optim.lr_scheduler, a course's autograder) drives the
+    engine through it. The engine runs the update itself through the optimizer's class
+    (Engine._run_optimizer). Set on the instance, so a scheduler's wrapper of opt.step wraps this."""
+    opt._zerolab_engine = weakref.ref(engine)
+    opt.step = types.MethodType(_engine_step, opt)
+    opt.zero_grad = types.MethodType(_engine_zero_grad, opt)
+    opt.add_param_group = types.MethodType(_no_new_group, opt)
+
+
+def _engine_of(opt):
+    engine = opt._zerolab_engine()
+    if engine is None:
+        raise RuntimeError("this optimizer belonged to a zerolab engine that no longer exists")
+    return engine
+
+
+def _engine_step(opt, closure=None):
+    loss = None
+    if closure is not None:         # torch's contract: re-evaluate the loss, then update
+        with torch.enable_grad():
+            loss = closure()
+    _engine_of(opt).step()
+    return loss
+
+
+def _engine_zero_grad(opt, set_to_none: bool = True):
+    _engine_of(opt).zero_grad(set_to_none)
+
+
+def _no_new_group(opt, param_group):
+    raise RuntimeError("add_param_group() on an engine's optimizer: the engine laid out its buffers "
+                       "for the parameters it was built with. Put every parameter group in the "
+                       "optimizer before building the engine.")
 
 
 def order_by_group(params, group_of) -> list:

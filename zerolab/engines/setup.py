@@ -7,9 +7,10 @@
 * data_parallel_layout: which group the engine averages over (the whole world, or a Mesh's dp
   group when the model is tensor-parallel), check_residual_options and enable_residual: ZeRO-R's
   activation options (chapter 9), checked and switched on;
-* check_optimizer_factory and check_built_optimizer: the optimizer is a factory (the engine
-  calls it on the model's parameters and moves its groups onto the tensors it updates:
-  zerolab.engines.param_groups), checked before the model is touched and once built;
+* check_optimizer_factory and check_built_optimizer: the optimizer is a torch optimizer built on
+  the model's parameters, or a factory the engine calls on them (either way the engine moves its
+  groups onto the tensors it updates: zerolab.engines.param_groups), checked before the model is
+  touched and once built; check_no_optimizer: DDP without one, as DistributedDataParallel;
 * start_data_parallel: all of the above, in order, for a data-parallel engine's constructor;
 * measured_forward: the forward, with the activations it leaves alive counted on request.
 """
@@ -126,7 +127,7 @@ def _described_by(text: str, src: int, ledger: Ledger) -> str:
     return bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace")
 
 
-def broadcast_from_rank0(tensors, ledger: Ledger, src: int = 0) -> None:
+def broadcast_from_rank0(tensors, ledger: Ledger, src: int = 0, tag: str = "setup") -> None:
     """Copy rank `src`'s values (the group's first rank) into `tensors`, one broadcast per dtype."""
     by_dtype: dict = {}
     for t in tensors:
@@ -134,7 +135,7 @@ def broadcast_from_rank0(tensors, ledger: Ledger, src: int = 0) -> None:
     with torch.no_grad():
         for dtype, ts in by_dtype.items():
             flat = torch.cat([t.reshape(-1) for t in ts])
-            ledger.broadcast(flat, src=src, tag="setup")
+            ledger.broadcast(flat, src=src, tag=tag)
             for t, chunk in zip(ts, flat.split([t.numel() for t in ts])):
                 t.copy_(chunk.view_as(t))
 
@@ -231,24 +232,35 @@ def _check_elementwise(optimizer, flat_engine: str) -> None:
 
 
 def check_optimizer_factory(optimizer, precision: str, flat_engine: str | None = None) -> None:
-    """Refuse anything but a factory, before an engine touches the model.
+    """Refuse anything but a torch optimizer or a factory of one, before an engine touches the
+    model. (A built optimizer's tensors and state are checked by param_groups.build.)
 
     flat_engine: the engine's name if it steps the optimizer on flat buffers; then optimizers
     that are not elementwise are refused too (when the factory shows its class: the class
     itself, or a functools.partial of it; check_built_optimizer checks what any factory built).
     """
-    if isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer must be a factory (a callable params -> torch.optim.Optimizer), not an "
-            f"already-built {type(optimizer).__name__}: the engine decides which tensors the "
-            f"optimizer updates (with precision={precision!r} those are fp32 master copies it creates). "
-            "Pass e.g. functools.partial(torch.optim.AdamW, lr=3e-4).")
-    if not callable(optimizer):
-        raise TypeError(f"optimizer must be a callable params -> torch.optim.Optimizer, "
-                        f"e.g. functools.partial(torch.optim.AdamW, lr=3e-4); got {optimizer!r}")
+    if not isinstance(optimizer, torch.optim.Optimizer) and not callable(optimizer):
+        raise TypeError(f"optimizer must be a torch optimizer built on the model's parameters, or a "
+                        f"callable params -> torch.optim.Optimizer such as "
+                        f"functools.partial(torch.optim.AdamW, lr=3e-4); got {optimizer!r}")
     _check_no_closure(optimizer)
     if flat_engine is not None:
         _check_elementwise(optimizer, flat_engine)
+
+
+def check_no_optimizer(engine_name: str, precision: str, max_grad_norm) -> None:
+    """zl.DDP(model) / zl.NaiveDDP(model) without an optimizer, as DistributedDataParallel: the
+    script's own optimizer steps the model's parameters, so there are no masters to keep."""
+    if precision != "fp32":
+        raise ValueError(
+            f"{engine_name} without an optimizer trains in fp32 only: precision={precision!r} keeps "
+            "fp32 master weights that the engine's optimizer updates. Pass an optimizer (built on "
+            "model.parameters(), or a factory), or keep precision='fp32' and step your own.")
+    if max_grad_norm is not None:
+        raise ValueError(
+            f"{engine_name} without an optimizer has no step to clip in: call "
+            "torch.nn.utils.clip_grad_norm_(engine.parameters(), max_norm) before your optimizer's "
+            "step (p.grad holds the averaged gradients), or pass an optimizer.")
 
 
 def check_built_optimizer(opt, flat_engine: str | None = None) -> None:
@@ -265,6 +277,8 @@ def build_optimizer(optimizer, params, precision: str, flat_engine: str | None =
     """Call an optimizer factory on `params` (a chapter's own engine; the engines build theirs
     with zerolab.engines.param_groups.build, which also honours parameter groups)."""
     check_optimizer_factory(optimizer, precision, flat_engine)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("this engine takes an optimizer factory, e.g. functools.partial(torch.optim.AdamW, lr=3e-4)")
     opt = optimizer(params)
     check_built_optimizer(opt, flat_engine)
     if {id(p) for group in opt.param_groups for p in group["params"]} != {id(t) for t in params}:
@@ -286,7 +300,14 @@ def start_data_parallel(engine, model, optimizer, *, precision, scaler, max_grad
     check that every rank wraps the same model. The engine then lays out its storage."""
     from ..precision import MixedPrecision
     _check_args(model, bucket_mb, max_grad_norm)
-    check_optimizer_factory(optimizer, precision, engine.flat_optimizer)   # before the model is touched
+    if optimizer is None and engine.takes_no_optimizer:
+        check_no_optimizer(type(engine).__name__, precision, max_grad_norm)
+    else:                        # (before the model is touched)
+        if optimizer is None:
+            raise TypeError(f"{type(engine).__name__} needs an optimizer: it keeps the optimizer state "
+                            "(sharded) and steps it. Pass one built on model.parameters(), or a factory "
+                            "such as functools.partial(torch.optim.AdamW, lr=3e-4).")
+        check_optimizer_factory(optimizer, precision, engine.flat_optimizer)
     check_residual_options(model, mesh, precision=precision, max_grad_norm=max_grad_norm,
                            checkpoint_activations=checkpoint_activations,
                            partition_activations=partition_activations,

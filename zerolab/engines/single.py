@@ -2,7 +2,7 @@
 
     engine = SingleProcess(model, functools.partial(torch.optim.AdamW, lr=3e-4), precision="bf16")
     logits, loss = zl.models.gpt_loss(engine, batch)
-    engine.backward(loss)
+    engine.backward(loss)        # (or loss.backward(), except in fp16, whose loss it scales)
     applied = engine.step()      # False when an fp16 overflow skipped the step
     engine.zero_grad()
 
@@ -56,9 +56,11 @@ class SingleProcess(Engine):
             cast_for_compute(model, self.precision.compute_dtype)   # (BatchNorm stays fp32)
         else:
             self.masters = self.params
-        # the factory sees the model's parameters (its groups too); each then steps on its master
+        # the optimizer sees the model's parameters (its groups too); each then steps on its master
         self.optimizer, _ = param_groups.build(optimizer, model, precision)
         param_groups.place_per_parameter(self.optimizer, self.params, self.masters)
+        param_groups.hand_over(self.optimizer, self)
+        self._watch_parameters()
 
     # forward, backward, the step, full_state_dict, memory_report: Engine's, for one master
     # per parameter

@@ -251,11 +251,13 @@ class Unit:
             self.n_acc += 1
 
     def reduce_scatter(self):
-        """Start reducing the full gradient to this rank's shard (the loss was divided by N, so
-        the sum is the mean). Zeros if no gradient reached the unit on this rank."""
+        """Start reducing the full gradient to this rank's shard: divided by N first, so the
+        sum is the mean. Zeros if no gradient reached the unit on this rank."""
         b = self.buckets["train"]
         if self.grad_full is None:
             self.grad_full = torch.zeros(b.padded_numel, dtype=b.data.dtype, device=b.data.device)
+        elif self.route.world_size > 1:
+            self.grad_full.div_(self.route.world_size)
         out = torch.empty(b.padded_numel // b.world_size, dtype=self.grad_full.dtype, device=b.data.device)
         self.record(self, "reduce_scatter", "backward")
         if self.route.plain:

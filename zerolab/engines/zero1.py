@@ -55,10 +55,12 @@ class ZeRO1(DDP):
 
     stage = 1
     flat_optimizer = "zl.ZeRO"
+    takes_no_optimizer = False    # the optimizer state is what it shards: it needs one
     sharded = True
+    accumulates_after_reduce = False   # (Engine._begin_backward) this rank holds its slice's mean only
     overlap_default = False   # reduce-scatter after backward (ZeRO-2 overlaps)
 
-    def __init__(self, model: torch.nn.Module, optimizer, *, prefetch=1, **options):
+    def __init__(self, model: torch.nn.Module, optimizer=None, *, prefetch=1, **options):
         self.prefetch = prefetch
         self.grad_trace = None    # set it to [] to sample the gradient bytes held during backward
         super().__init__(model, optimizer, **options)
@@ -104,6 +106,7 @@ class ZeRO1(DDP):
 
     def _reduce(self, b):
         flat = self._grad_bucket(b)          # zeros where no gradient arrived
+        self._ready_to_reduce(b, flat)
         self._out[b] = torch.empty(flat.numel() // self.world_size, dtype=flat.dtype, device=self.device)
         return self.comm.reduce_scatter(self._out[b], flat, async_op=True, tag=f"bucket{b}")
 

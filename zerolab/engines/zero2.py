@@ -85,6 +85,8 @@ class ZeRO2(ZeRO1):
 
     def _reduce(self, b):
         flat = self._buffer(b)[:self.buckets.buckets[b].padded_numel]   # zeros where nothing arrived
+        if self.world_size > 1:
+            flat.div_(self.world_size)   # the collective's sum is then the mean
         out = torch.empty(flat.numel() // self.world_size, dtype=flat.dtype, device=self.device)
         if self._filled[b]:
             self._out[b] = out   # a later micro-batch: _complete adds it to the owned slice

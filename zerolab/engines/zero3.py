@@ -86,9 +86,10 @@ class ZeRO3(UnitSchedule, Engine):
     flat_optimizer = "zl.ZeRO(stage=3)"   # the optimizer steps on one flat shard per unit
     stage = 3
     sharded = True
-    accumulates_after_reduce = True       # (Engine.backward) the gradient shards add up
+    accumulates_after_reduce = True       # (Engine._begin_backward) the gradient shards add up
+    reduces_in_no_sync = True             # every backward reduces (see no_sync)
 
-    def __init__(self, model: nn.Module, optimizer, *, precision="fp32", bucket_mb=25.0, prefetch=1,
+    def __init__(self, model: nn.Module, optimizer=None, *, precision="fp32", bucket_mb=25.0, prefetch=1,
                  max_grad_norm=None, scaler=None, units=None, track_peak=True, init_fn=None, mesh=None,
                  checkpoint_activations=False, partition_activations=False, offload_activations=False,
                  track_activations=None, broadcast_buffers=True, topology=None, quantize_weights=False,
@@ -124,7 +125,6 @@ class ZeRO3(UnitSchedule, Engine):
         self._done_order: list = []     # ... and ended (this forward)
         self._bwd_order: list = []      # the order backward will need them
         self._fwd_counts = None
-        self._callback_started = False
         self._reducing: list = []       # units whose reduce-scatter is in flight, oldest first
 
         found, note = find_units(model, units)
@@ -140,8 +140,10 @@ class ZeRO3(UnitSchedule, Engine):
         views = param_groups.GroupViews(self.optimizer, self.masters, trained,
                                         [b.shard(self.shard_rank) for b in trained], group_of)
         self._group_views = views if views.views else None
+        param_groups.hand_over(self.optimizer, self)
         self._install_hooks()
         fp32_where_buffers(model, self.precision.compute_dtype)   # after the units' hooks: BatchNorm in fp32
+        self._watch_parameters()
         self.comm.reset()               # setup traffic is not a training step's traffic
 
     # -------------------------------------------------------------- reading the full weights
@@ -216,16 +218,6 @@ class ZeRO3(UnitSchedule, Engine):
         times before step(), inside no_sync or not: the shards accumulate either way.
         """
         yield
-
-    def _backward(self, loss):
-        # (Engine.backward divided the loss by N: each reduce-scatter's sum is the mean.)
-        # Several backward() calls before step() accumulate in the gradient shards.
-        self._callback_started = False
-        self.last_backward = {"start": self.comm.now()}
-        loss.backward()
-        if not self._callback_started:
-            self._finish_backward()
-        self.last_backward["end"] = self.comm.now()
 
     # -------------------------------------------------------------- the step (Engine._step)
     def _step(self) -> bool:

@@ -16,27 +16,11 @@ mixin of zerolab.engines.zero3.ZeRO3 decides WHEN, from hooks on the model:
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
-
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .base import tensors_in
 from .units import Event, _InputsGradDone
-
-
-def _tensors_in(output) -> list:
-    """Every tensor in a module's output: nested tuples, lists and dicts, and the fields of a
-    dataclass or a mapping (a Hugging Face ModelOutput with .logits and .loss)."""
-    out = []
-    for x in tree_flatten(output)[0]:
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif isinstance(x, Mapping):
-            out += _tensors_in(list(x.values()))
-        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
-            out += _tensors_in([getattr(x, f.name) for f in dataclasses.fields(x)])
-    return out
 
 
 class UnitSchedule:
@@ -108,7 +92,7 @@ class UnitSchedule:
             u.release("forward")
             self._done_order.append(u)
             if torch.is_grad_enabled():
-                outs = [t for t in _tensors_in(output) if t.requires_grad]
+                outs = [t for t in tensors_in(output) if t.requires_grad]
                 for t in outs:
                     t.register_hook(lambda g, u=u: self._pre_backward(u))
             if u.index == 0:
@@ -120,7 +104,6 @@ class UnitSchedule:
         if self._cur_order:
             self._fwd_order = self._dedupe(self._cur_order)
         self._cur_order, self._done_order = [], []
-        self._callback_started = False
         self._fwd_counts = [0] * len(self.units)
         for u in self.units:
             u.reset_backward()
@@ -151,10 +134,8 @@ class UnitSchedule:
                                "Every rank must call every unit the same number of times.")
 
     def _pre_backward(self, u):
-        if not self._callback_started:
-            # the first hook of this backward: arrange the end-of-backward check
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self._callback_started = True
+        if not self._in_backward:       # the first hook of this backward (the root's output):
+            self._begin_backward(True)  # the end-of-backward callback is queued (Engine)
         if u.reduced:
             return
         if not u.in_backward:

@@ -101,6 +101,7 @@ class Route:
                  secondary_partition=None, quantize_gradients=False, shard_group=None):
         check_options(quantize_weights, secondary_partition, quantize_gradients, shard_group)
         self.comm = comm
+        self.world_size = world_size               # the ranks a gradient is averaged over
         self.quantize_weights, self.quantize_gradients = quantize_weights, quantize_gradients
         self.secondary = secondary_partition == "node"
         self.hsdp = shard_group == "node"
@@ -158,7 +159,7 @@ class Route:
 
     # -------------------------------------------------------------- gradients
     def reduce(self, unit, grad_full, out):
-        """Start reducing grad_full into this rank's shard `out` (a sum: the loss was divided
+        """Start reducing grad_full into this rank's shard `out` (a sum: grad_full was divided
         by N); returns a handle."""
         if self.quantize_gradients:
             self._quantized_reduce(unit, grad_full, out)

@@ -1,0 +1,201 @@
+"""zl.ShardedOptimizer against PyTorch's ZeroRedundancyOptimizer and a plain optimizer.
+
+The three run beside each other under PyTorch's own DistributedDataParallel, on the same model,
+data and processes: the weights must agree (each element is updated by the same AdamW
+arithmetic, so any difference is summation-order round-off: tests/tolerances.py), and the state
+each rank holds must be the paper's K Psi / N. The consolidated state_dict must be a plain
+AdamW's, loadable both ways.
+"""
+
+import copy
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+import zerolab as zl
+from zerolab.memory import optimizer_tensors
+from tolerances import fp32_adamw_tol
+
+STEPS = 3
+ADAMW = dict(lr=1e-3, eps=1e-6, weight_decay=0.1)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(7, 33)        # odd sizes: the flat buffers need padding at N=2 and 4
+        self.mid = nn.Linear(33, 17)
+        self.head = nn.Linear(17, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mid(torch.tanh(self.embed(x)))))
+
+
+def groups(model):
+    """nanoGPT's split: weight decay on matrices, none on biases."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def rows(step, rank, n, per_rank=4):
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(per_rank * n, 7, generator=g), torch.randn(per_rank * n, 3, generator=g)
+    return x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+
+
+def train(kind, steps=STEPS, scheduler=False):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Net()
+    if kind == "sharded-first":          # built before DDP wraps the model
+        opt = zl.ShardedOptimizer(groups(model), torch.optim.AdamW, **ADAMW)
+        ddp = DistributedDataParallel(model)
+    else:
+        ddp = DistributedDataParallel(model)
+        if kind == "plain":
+            opt = torch.optim.AdamW(groups(model), **ADAMW)
+        elif kind == "torch-zero":
+            opt = ZeroRedundancyOptimizer(groups(model)[0]["params"], torch.optim.AdamW, **ADAMW)
+            opt.add_param_group(groups(model)[1])
+        else:
+            opt = zl.ShardedOptimizer(groups(model), torch.optim.AdamW, **ADAMW)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if scheduler else None
+    for step in range(steps):
+        x, y = rows(step, rank, n)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if sched is not None:
+            sched.step()
+    return model, opt
+
+
+def compare():
+    out = {}
+    weights = {}
+    for kind in ("plain", "torch-zero", "sharded", "sharded-first"):
+        model, opt = train(kind)
+        weights[kind] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if kind == "sharded":
+            out["state_bytes"] = sum(t.numel() * t.element_size() for t in optimizer_tensors(opt.optim)
+                                     if t.dim() > 0)
+            out["padded"] = sum(b.padded_numel for b in opt.buckets)
+            out["numel"] = sum(p.numel() for p in model.parameters())
+            out["gather_bytes"] = opt.comm.bytes("all_gather")
+            opt.consolidate_state_dict(to=0)
+            out["consolidated"] = opt.state_dict() if dist.get_rank() == 0 else None
+            try:
+                opt.state_dict() if dist.get_rank() == 1 else None
+                out["rank1_state_dict"] = "returned"
+            except RuntimeError as e:
+                out["rank1_state_dict"] = str(e)
+            sharded_opt, sharded_model = opt, model
+        if kind == "torch-zero":
+            out["torch_zero_state_bytes"] = sum(t.numel() * t.element_size() for t in optimizer_tensors(opt.optim)
+                                                if t.dim() > 0)
+        if kind == "plain":
+            out["plain_state"] = copy.deepcopy(opt.state_dict())   # (the resume below steps it)
+            plain_model, plain_opt = model, opt
+    out["weights"] = weights
+    # the consolidated state resumes a plain AdamW, and a plain one resumes the sharded optimizer:
+    # one more step each on the same batch lands where the uninterrupted plain run does
+    x, y = rows(STEPS, dist.get_rank(), dist.get_world_size())
+    sd = [out["consolidated"]]
+    dist.broadcast_object_list(sd, src=0)
+    resumed = torch.optim.AdamW(groups(plain_model), **ADAMW)
+    resumed.load_state_dict(plain_opt.state_dict())
+    sharded_opt.load_state_dict(sd[0])                  # its own consolidated state, back in
+    for model, opt in ((plain_model, plain_opt), (sharded_model, sharded_opt)):
+        ddp = DistributedDataParallel(model)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    out["after_resume"] = {k: (sharded_model.state_dict()[k] - v).abs().max().item()
+                           for k, v in plain_model.state_dict().items()}
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["N=2", "N=4"])
+def seen(request):
+    return request.param, zl.launch(compare, request.param)
+
+
+def test_the_weights_match_zero_redundancy_optimizer_and_a_plain_adamw(seen):
+    n, results = seen
+    for r in results:
+        ref = r["weights"]["plain"]
+        for kind in ("torch-zero", "sharded", "sharded-first"):
+            worst = max((r["weights"][kind][k] - ref[k]).abs().max().item() for k in ref)
+            assert worst <= fp32_adamw_tol(STEPS), (kind, worst)
+        # every rank holds the same whole model after the all-gather
+    assert all(torch.equal(results[0]["weights"]["sharded"][k], results[-1]["weights"]["sharded"][k])
+               for k in results[0]["weights"]["sharded"])
+
+
+def test_each_rank_holds_k_psi_over_n_of_state_and_gathers_the_rest(seen):
+    n, results = seen
+    for r in results:
+        # Adam's two fp32 moments (K = 8 bytes) of this rank's slices: K * padded / N, exactly
+        assert r["state_bytes"] == 8 * r["padded"] // n
+        assert r["padded"] - r["numel"] < n * 2          # padding: under N per group (2 groups)
+        # one all-gather per group per step: (N-1)/N of the flat buffers, fp32
+        assert r["gather_bytes"] == STEPS * (n - 1) * r["padded"] // n * 4
+    # ZeroRedundancyOptimizer gives whole parameters to ranks: the same total, unevenly split
+    assert sum(r["torch_zero_state_bytes"] for r in results) == 8 * results[0]["numel"]
+
+
+def test_the_consolidated_state_is_a_plain_adamw_state_dict_and_resumes_both_ways(seen):
+    n, results = seen
+    plain, mine = results[0]["plain_state"], results[0]["consolidated"]
+    assert [g["params"] for g in mine["param_groups"]] == [g["params"] for g in plain["param_groups"]]
+    assert mine["param_groups"][1]["weight_decay"] == 0.0 and mine["param_groups"][0]["weight_decay"] == 0.1
+    assert set(mine["state"]) == set(plain["state"])
+    for i, st in plain["state"].items():
+        for key, value in st.items():
+            torch.testing.assert_close(mine["state"][i][key], value, rtol=0, atol=1e-6)
+    assert "consolidate_state_dict" in results[1]["rank1_state_dict"]
+    for r in results:
+        assert max(r["after_resume"].values()) <= fp32_adamw_tol(STEPS + 1)
+
+
+def with_a_scheduler():
+    model, _ = train("plain", scheduler=True)
+    ref = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model, opt = train("sharded", scheduler=True)
+    return max((model.state_dict()[k] - v).abs().max().item() for k, v in ref.items()), opt.param_groups[0]["lr"]
+
+
+def test_a_learning_rate_scheduler_drives_it_as_it_drives_a_plain_optimizer():
+    for worst, lr in zl.launch(with_a_scheduler, 2):
+        assert lr == ADAMW["lr"] * 0.5 ** STEPS
+        assert worst <= fp32_adamw_tol(STEPS)
+
+
+def test_refuses_optimizers_that_need_the_whole_tensor_or_a_closure():
+    model = Net()
+    with pytest.raises(TypeError, match="elementwise"):
+        zl.ShardedOptimizer(model.parameters(), torch.optim.LBFGS)
+    with pytest.raises(TypeError, match="optimizer_class"):
+        zl.ShardedOptimizer(model.parameters(), partial(torch.optim.AdamW, lr=1e-3))
+
+
+def test_one_process_is_the_plain_optimizer():
+    torch.manual_seed(0)
+    a, b = Net(), Net()
+    b.load_state_dict(a.state_dict())
+    plain = torch.optim.AdamW(groups(a), **ADAMW)
+    sharded = zl.ShardedOptimizer(groups(b), torch.optim.AdamW, **ADAMW)
+    for step in range(STEPS):
+        x, y = rows(step, 0, 1)
+        for model, opt in ((a, plain), (b, sharded)):
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    for k, v in a.state_dict().items():
+        torch.testing.assert_close(b.state_dict()[k], v, rtol=0, atol=0)
