@@ -111,20 +111,23 @@ def test_one_process_keeps_batchnorm_statistics_in_fp32_too():
 
 
 def a_schedule(model, forward, step_fn):
-    """Train, evaluate twice under no_grad, train once more, evaluate: each rank's eval logits.
-    PyTorch DDP syncs buffers at the forward that FOLLOWS a synced training forward, so the first
-    eval after training sees rank 0's statistics, and the training forward after an eval does not
-    sync: a rule the outputs below tell apart."""
+    """Train, evaluate twice, run a no_grad forward in train mode (it updates this rank's running
+    statistics), train once more: each rank's eval logits, then its buffers. PyTorch DDP syncs
+    buffers at the forward that FOLLOWS a synced training forward: the first eval after training
+    sees rank 0's statistics, and neither the forward after an eval nor the one after a no_grad
+    forward syncs. The outputs below tell that rule from others."""
     seen = []
-    for phase in ("train", "train", "eval", "eval", "train", "eval"):
-        model.train(phase == "train")
-        x, y = my_rows(len(seen) + 7)
+    for i, phase in enumerate(("train", "train", "eval", "eval", "train", "no_grad", "train")):
+        model.train(phase != "eval")
+        x, y = my_rows(i + 7)
         if phase == "train":
             step_fn((forward(x) - y).pow(2).mean())
         else:
             with torch.no_grad():
-                seen.append(forward(x).detach().clone())
-    return seen
+                out = forward(x)
+            if phase == "eval":
+                seen.append(out.detach().clone())
+    return seen + [b.detach().clone() for b in model.buffers() if b.is_floating_point()]
 
 
 def eval_after_training(name):

@@ -29,11 +29,11 @@ DP = [n for n in ALL if n != "single"]
 SGD = partial(torch.optim.SGD, lr=0.1)
 
 
-def quiet_make(name, model, factory=SGD, **options):
+def quiet_make(name, model, factory=None, **options):
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return zl.engines.make(name, model, factory, **options)
+        return zl.engines.make(name, model, SGD if factory is None else factory, **options)
 
 
 def a_step(engine, **inputs):
@@ -142,6 +142,68 @@ def lbfgs(name):
     return "ok"
 
 
+def pytorch_loop_in_fp16(name):
+    engine = quiet_make(name, KwNet(), precision="fp16")
+    x, y = batch(0, 2)
+    engine(features={"x": x}, target=y).loss.backward()     # the loss scale never applied
+    engine.optimizer.step()
+    return "ok"
+
+
+def step_after_no_sync(name):
+    engine = quiet_make(name, KwNet())
+    x, y = batch(0, 2)
+    with engine.no_sync():
+        engine(features={"x": x}, target=y).loss.backward()
+    engine.optimizer.step()                                # the last micro-batch was inside no_sync
+    return "ok"
+
+
+def own_optimizer_after_wrapping(name):
+    engine = quiet_make(name, KwNet())
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1)     # the DDP tutorial's order
+    x, y = batch(0, 2)
+    engine(features={"x": x}, target=y).loss.backward()
+    opt.step()
+    return "ok"
+
+
+def add_a_group_later(name):
+    engine = quiet_make(name, KwNet())
+    engine.optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    return "ok"
+
+
+def some_grads_to_none(name):
+    engine = quiet_make(name, KwNet())
+    x, y = batch(0, 2)
+    engine(features={"x": x}, target=y).loss.backward()
+    engine.optimizer.step()
+    engine.module.head.weight.grad = None                 # one parameter "zeroed", not the others
+    engine(features={"x": x}, target=y).loss.backward()
+    engine.optimizer.step()
+    return "ok"
+
+
+def a_stepped_optimizer(name):
+    model = KwNet()
+    opt = torch.optim.Adam(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    model.zero_grad()
+    quiet_make(name, model, opt)
+    return "ok"
+
+
+def no_optimizer_then_engine_step(name):
+    engine = zl.NaiveDDP(KwNet()) if name == "naive" else zl.DDP(KwNet())
+    x, y = batch(0, 2)
+    engine(features={"x": x}, target=y).loss.backward()
+    engine.step()
+    return "ok"
+
+
 GUARD = "gathered_parameters"
 ROWS = {
     # habit: (function, {engine: expected})
@@ -158,10 +220,24 @@ ROWS = {
     "BatchNorm with precision='bf16'": (batchnorm_in_bf16, {n: "ok" for n in ALL}),
     "BatchNorm buffers over steps": (batchnorm_buffers_over_steps, {n: "ok" for n in DP}),
     "step() before backward()": (step_before_backward, {n: "step() called before backward()" for n in ALL}),
+    # they accumulate, as one process does (that they match it: tests/test_pytorch_loop.py)
     "a forgotten zero_grad()":
-        (forgotten_zero_grad, {**{n: "ok" for n in ("single", "zero2", "zero3")},   # they accumulate
-                               **{n: "without zero_grad()" for n in ("naive", "ddp", "zero1")}}),
+        (forgotten_zero_grad, {**{n: "ok" for n in ALL if n != "zero1"}, "zero1": "Call zero_grad()"}),
     "LBFGS": (lbfgs, {n: "needs a closure" for n in ALL}),
+    "loss.backward() with precision='fp16'": (pytorch_loop_in_fp16, {n: "needs engine.backward(loss)" for n in ALL}),
+    "step() after a backward inside no_sync()":
+        (step_after_no_sync, {**{n: "never averaged" for n in ("naive", "ddp", "zero1")},
+                              **{n: "ok" for n in ("single", "zero2", "zero3")}}),   # (they always reduce)
+    "a torch optimizer on engine.parameters(), built after wrapping":
+        (own_optimizer_after_wrapping, {**{n: "ok" for n in ("single", "naive", "ddp")},
+                                        **{n: "step with the engine's optimizer" for n in ("zero1", "zero2", "zero3")}}),
+    "optimizer.add_param_group() after wrapping": (add_a_group_later, {n: "before building the engine" for n in ALL}),
+    "p.grad = None for one parameter only":
+        (some_grads_to_none, {**{n: "ok" for n in ("single", "naive", "ddp")},
+                              **{n: "some parameters but not others" for n in ("zero1", "zero2", "zero3")}}),
+    "an optimizer that has already stepped": (a_stepped_optimizer, {n: "already holds state" for n in ALL}),
+    "zl.DDP(model) with no optimizer, then engine.step()":
+        (no_optimizer_then_engine_step, {n: "step your own" for n in ("naive", "ddp")}),
 }
 
 

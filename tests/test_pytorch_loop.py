@@ -273,7 +273,7 @@ def test_loss_backward_then_optimizer_step_is_bit_for_bit_engine_backward_then_s
 
 
 class TiedAndFrozen(nn.Module):
-    """A tied embedding / head, a frozen matrix, and a branch only rank 0 uses."""
+    """A tied embedding / head, a frozen matrix, and a branch some ranks use."""
 
     def __init__(self):
         super().__init__()
@@ -305,10 +305,10 @@ def own_optimizer_run(name, bucket_mb, n=N, rank=0):
         g = torch.Generator().manual_seed(step)
         idx = torch.randint(0, 12, (3 * n, 5), generator=g)
         if distributed:
-            out = engine(idx[3 * rank:3 * rank + 3], use_branch=(rank == 0))
+            out = engine(idx[3 * rank:3 * rank + 3], use_branch=(rank == step % n))
             loss = nn.functional.cross_entropy(out.reshape(-1, 12), idx[3 * rank:3 * rank + 3].reshape(-1))
-        else:          # one process: rank 0's rows through the branch, the others' without
-            losses = [nn.functional.cross_entropy(model(idx[3 * r:3 * r + 3], use_branch=(r == 0)).reshape(-1, 12),
+        else:          # one process: one rank's rows through the branch (a rank that changes)
+            losses = [nn.functional.cross_entropy(model(idx[3 * r:3 * r + 3], use_branch=(r == step % n)).reshape(-1, 12),
                                                   idx[3 * r:3 * r + 3].reshape(-1)) for r in range(n)]
             loss = sum(losses) / n
         opt.zero_grad()
@@ -333,3 +333,38 @@ def test_your_own_optimizer_on_zl_ddp_steps_averaged_gradients_tied_frozen_and_u
         for key, state in seen.items():
             worst = max((state[k] - ref[k]).abs().max().item() for k in ref)
             assert worst < SGD_TOL, (key, rank, worst)
+
+
+# ------------------------------------------------------------------ a forgotten zero_grad() accumulates
+
+
+def no_zero_grad_run(name, n=N, rank=0):
+    """Two steps without zero_grad() in between; the branch is used in the first only, so the
+    second step applies its first gradient again (one process keeps it in p.grad)."""
+    distributed = name != "one process"
+    model = TiedAndFrozen()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    if distributed:
+        rank, n = dist.get_rank(), dist.get_world_size()
+        model = quiet_make(name, model, opt, **({"bucket_mb": 1e-6} if name in ("ddp", "zero2") else {}))
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        idx = torch.randint(0, 12, (3 * n, 5), generator=g)
+        mine = idx[3 * rank:3 * rank + 3] if distributed else idx
+        out = model(mine, use_branch=(step == 0))
+        nn.functional.cross_entropy(out.reshape(-1, 12), mine.reshape(-1)).backward()
+        opt.step()
+    return {k: v.detach().clone().float() for k, v in model.state_dict().items()}
+
+
+def no_zero_grad_every_engine():
+    return {name: no_zero_grad_run(name) for name in DP if name != "zero1"}
+
+
+def test_a_forgotten_zero_grad_accumulates_as_in_one_process():
+    # (ZeRO-1 refuses it instead: tests/test_engines.py and test_habits_table.py)
+    ref = no_zero_grad_run("one process")
+    for rank, seen in enumerate(zl.launch(no_zero_grad_every_engine, N)):
+        for name, state in seen.items():
+            worst = max((state[k] - ref[k]).abs().max().item() for k in ref)
+            assert worst < SGD_TOL, (name, rank, worst)

@@ -224,8 +224,6 @@ class Engine:
                 "zero_grad() (engine.optimizer.zero_grad(), model.zero_grad()) after each step; to "
                 "accumulate over micro-batches, run all but the last backward inside "
                 "`with engine.no_sync():`.")
-        if not self._backward_done:
-            self._reset_step_state()
         self.last_backward = {"start": self.comm.now(), "compute_end": None, "end": None}
         self._reset_backward_state()
         if queue:
@@ -285,9 +283,6 @@ class Engine:
     _trainable_params: list = []
 
     # What an engine's reducer does (the defaults: nothing to reduce, one process).
-    def _reset_step_state(self) -> None:
-        """The step's first backward begins (after step() or zero_grad())."""
-
     def _reset_backward_state(self) -> None:
         """Any backward begins: forget what the last one delivered."""
 

@@ -99,8 +99,7 @@ class DDP(NaiveDDP):
                       enumerate((p, self.buckets.where[p]) for p in self.params)}
         self._sizes = [len(b.params) for b in self.buckets.buckets]
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
-        self._unused = set()      # positions of params no rank reached in this step
-        self._reset_step_state()
+        self._unused = set()      # positions of params no rank reached since zero_grad
         self._reset_backward_state()
         self._release_grads()     # no gradient until the first backward, as in PyTorch
 
@@ -141,12 +140,8 @@ class DDP(NaiveDDP):
         self._group_views = views if views.views else None
 
     # -------------------------------------------------------------- the reducer
-    # Engine._begin_backward resets it (_reset_step_state at a step's first backward,
-    # _reset_backward_state at every one); the hooks below fill and launch the buckets; the
-    # end-of-backward callback (_finish_backward) launches the rest and waits for all.
-    def _reset_step_state(self):
-        self._reached = [False] * len(self.params)   # did a backward of this step reach param k?
-
+    # Engine._begin_backward resets it (_reset_backward_state); the hooks below fill and launch
+    # the buckets; the end-of-backward callback (_finish_backward) launches the rest and waits.
     def _reset_backward_state(self):
         self._missing = list(self._sizes)   # per bucket: gradients this backward has not delivered
         self._counted = set()        # ids of params delivered in this backward
@@ -158,7 +153,7 @@ class DDP(NaiveDDP):
         # The hot path: it runs once per parameter per backward, so it does as little as it can.
         b, i, k = self._slot[id(p)]
         self._take(p, b, i, k)
-        self._reached[k] = True
+        self._reached[k] = True      # (ZeRO-1 and 2 agree on these; DDP on p.grad itself)
         if not self._reducing_now:
             return                   # no_sync: the gradient just accumulates in its bucket
         if id(p) not in self._counted:   # (a hook can fire twice, e.g. reentrant checkpointing)
@@ -203,8 +198,9 @@ class DDP(NaiveDDP):
         """Start bucket b's collective; return its handle."""
         bucket, buf = self.buckets.buckets[b], self._flats[b]
         self._ready_to_reduce(b, bucket.grad)
-        if b == len(self._flats) - 1:   # the last one carries the "reached" flags
-            buf[bucket.padded_numel:] = torch.tensor(self._reached, dtype=buf.dtype)
+        if b == len(self._flats) - 1:   # the last one carries the "has a gradient" flags
+            self._held = [p.grad is v for p, v in zip(self.params, self._grad_views)]
+            buf[bucket.padded_numel:] = torch.tensor(self._held, dtype=buf.dtype)
         return self.comm.all_reduce(buf, async_op=True, tag=f"bucket{b}")
 
     def _wait_oldest(self):
@@ -228,18 +224,19 @@ class DDP(NaiveDDP):
             self._wait_oldest()
 
     def _agree_unused(self) -> set:
-        """Positions of the parameters NO rank reached this step (read from the last bucket,
-        so every all-reduce is waited for first)."""
+        """Positions of the parameters with a gradient on NO rank (p.grad None everywhere: no
+        backward reached them since their gradient was last set to None; read from the last
+        bucket, so every all-reduce is waited for first)."""
         while self._pending:
             self._wait_oldest()
-        if all(self._reached):
+        if all(self._held):
             return set()
-        reached = self._tail[self.buckets.buckets[-1].padded_numel:]   # summed over ranks
-        unused = set((reached == 0).nonzero().flatten().tolist())
-        # one no rank reached keeps no gradient (grad None), as in a single process, and the
-        # step holds it still; one reached on another rank only gets the averaged gradient
+        held = self._tail[self.buckets.buckets[-1].padded_numel:]   # summed over ranks
+        unused = set((held == 0).nonzero().flatten().tolist())
+        # one with no gradient anywhere keeps grad None, as in a single process, and the step
+        # holds it still; one with a gradient on another rank only gets the averaged gradient
         for k, p in enumerate(self.params):
-            if not self._reached[k] and k not in unused:
+            if not self._held[k] and k not in unused:
                 p.grad = self._grad_views[k]
         return unused
 
@@ -280,6 +277,9 @@ class DDP(NaiveDDP):
         # next backward copies each first gradient into its slot instead of adding to zeros
         for p in self.params:
             p.grad = None
+        # did a backward since zero_grad reach param k? (one no rank reached has no gradient in
+        # one process, forgotten zero_grad or not: the step holds it still)
+        self._reached = [False] * len(self.params)
         self._unused = set()
 
     # -------------------------------------------------------------- state (memory_report,

@@ -39,10 +39,12 @@ class GradientElsewhere(torch.Tensor):
             stage = getattr(cls.engine, "stage", "?")
             raise RuntimeError(
                 f"p.grad under ZeRO-{stage}: each rank holds the averaged gradient of its own 1/N "
-                "slice inside the engine, not in p.grad, so torch.nn.utils.clip_grad_norm_"
-                "(model.parameters()) or a norm read from p.grad would see one rank's piece or "
-                "nothing. Clip with engine.clip_grad_norm_(max_norm) (it returns the global norm) "
-                "or pass max_grad_norm= to the engine.")
+                "slice inside the engine, not in p.grad, so anything that reads p.grad would see "
+                "one rank's piece or nothing: torch.nn.utils.clip_grad_norm_(model.parameters()), a "
+                "norm, or an optimizer built on model.parameters() outside the engine. Clip with "
+                "engine.clip_grad_norm_(max_norm) (it returns the global norm) or max_grad_norm=; "
+                "step with the engine's optimizer (the one you passed: zl.ZeRO(model, optimizer, "
+                "...), then optimizer.step() or engine.optimizer.step()).")
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
 

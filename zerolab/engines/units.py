@@ -303,7 +303,9 @@ class ReleasedParameter(nn.Parameter):
                 "its values, but this rank holds only its 1/N shard). Read full weights inside "
                 "`with engine.gathered_parameters():`, take engine.full_state_dict() (every rank "
                 "calls it), save with zl.checkpoint.save(engine, path), write weights with "
-                "engine.load_state_dict(sd), and clip with engine.clip_grad_norm_(max_norm).")
+                "engine.load_state_dict(sd), clip with engine.clip_grad_norm_(max_norm), and step "
+                "with the engine's optimizer (the one passed to zl.ZeRO; one built on "
+                "model.parameters() outside the engine would update a released parameter).")
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
 
