@@ -107,6 +107,7 @@ class Engine:
     norm_group = None           # the group whose shards make up the whole gradient once (None: all)
     _last_batch = None          # fp16: the last training forward's inputs, to diagnose a give-up
     _src = 0                    # the rank whose weights and buffers every rank starts from
+    compiled = None             # torch.compile's wrapper of the model, which runs the forward
 
     # -------------------------------------------------------------- forward
     def __call__(self, *args, **kwargs):

@@ -33,7 +33,7 @@ from ..buckets import bucket_order
 from ..precision import cast_for_compute
 from . import param_groups
 from .base import Engine
-from .setup import broadcast_from_rank0, start_data_parallel
+from .setup import broadcast_from_rank0, compiled_parts, start_data_parallel
 
 
 class NaiveDDP(Engine):
@@ -56,6 +56,7 @@ class NaiveDDP(Engine):
     def _start(self, model, optimizer, **options):
         """The constructor every data-parallel engine of this family runs (DDP and ZeRO-1/2
         pass their own options through): set-up, identical start, storage, optimizer."""
+        model, self.compiled = compiled_parts(model)
         start_data_parallel(self, model, optimizer, **options)
         # ranks start identical: rank 0's parameters and buffers (frozen ones too)
         broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), self.comm, self._src)

@@ -336,16 +336,30 @@ def start_data_parallel(engine, model, optimizer, *, precision, scaler, max_grad
     check_same_model(model, engine.comm, engine._src, config)
 
 
+def compiled_parts(model):
+    """(the model, its torch.compile wrapper or None).
+
+    torch.compile(model) returns an OptimizedModule around the model, whose state_dict keys all
+    start with "_orig_mod.". An engine keeps the model itself (engine.module, checkpoints and
+    state dicts under the model's own keys, loadable compiled or not) and runs the forward
+    through the wrapper (ZeRO-3 compiles unit by unit instead: zero3.ZeRO3._compile_units)."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        return model._orig_mod, model
+    return model, None
+
+
 def measured_forward(engine, *inputs, **kwargs):
-    """engine.model(*inputs, **kwargs); with track_activations, also the bytes the forward leaves alive.
+    """The model's forward (through torch.compile's wrapper if the model came compiled); with
+    track_activations, also the bytes the forward leaves alive.
 
     Those bytes (saved tensors, checkpoints, offloaded slices, the output) are what backward
     needs: memory_report()["activations"]. MEASURED with an allocation tracker, never derived.
     """
+    forward = engine.model if engine.compiled is None else engine.compiled
     if not engine.track_activations:
-        return engine.model(*inputs, **kwargs)
+        return forward(*inputs, **kwargs)
     with AllocationTracker() as tracker:
-        out = engine.model(*inputs, **kwargs)
+        out = forward(*inputs, **kwargs)
     mesh = getattr(engine, "mesh", None)
     # tensor parallelism all-reduces inside forward, and gloo's worker thread may hold the
     # last tensor for a moment after the call returned: let the count settle

@@ -23,7 +23,7 @@ from ..comm import Ledger
 from ..precision import MixedPrecision, cast_for_compute
 from .base import Engine
 from . import param_groups
-from .setup import check_max_grad_norm, check_optimizer_factory
+from .setup import check_max_grad_norm, check_optimizer_factory, compiled_parts
 
 
 class SingleProcess(Engine):
@@ -33,6 +33,7 @@ class SingleProcess(Engine):
                  scaler=None, track_peak: bool = True):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        model, self.compiled = compiled_parts(model)
         check_max_grad_norm(max_grad_norm)
         check_optimizer_factory(optimizer, precision)     # before the model is touched
         self.world_size = 1

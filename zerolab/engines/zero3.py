@@ -54,7 +54,7 @@ from ..memory import optimizer_tensors
 from ..precision import fp32_where_buffers
 from .base import Engine, flat_segments
 from . import param_groups, zeropp
-from .setup import broadcast_from_rank0, start_data_parallel
+from .setup import broadcast_from_rank0, compiled_parts, start_data_parallel
 from .units import Unit, find_units, group_params, measure_peak
 from .zero3_schedule import UnitSchedule
 
@@ -95,6 +95,15 @@ class ZeRO3(UnitSchedule, Engine):
                  track_activations=None, broadcast_buffers=True, topology=None, quantize_weights=False,
                  secondary_partition=None, quantize_gradients=False, shard_group=None):
         zeropp.check_options(quantize_weights, secondary_partition, quantize_gradients, shard_group)
+        model, compiled = compiled_parts(model)
+        in_place = [n or type(model).__name__ for n, m in model.named_modules()
+                    if getattr(m, "_compiled_call_impl", None) is not None] if isinstance(model, nn.Module) else []
+        if in_place:
+            raise ValueError(
+                f"{in_place[0]} was compiled in place (module.compile()), which compiles the hooks "
+                "ZeRO-3 puts on it too: they gather and free parameters, which a graph cannot hold. "
+                "Compile the whole model before wrapping it (torch.compile(model): ZeRO-3 then "
+                "compiles each unit's forward), or replace a block by torch.compile(block).")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (units to gather ahead; 0 = off), got {prefetch!r}")
         if isinstance(model, nn.Module) and init_fn is None \
@@ -131,6 +140,8 @@ class ZeRO3(UnitSchedule, Engine):
         if note:
             warnings.warn(note, stacklevel=2)
         self.note = note
+        if compiled is not None:
+            self._compile_units(found, compiled)
         # the factory sees the model's parameters (its groups can tell them apart) ...
         self.optimizer, group_of = param_groups.build(optimizer, model, precision, self.flat_optimizer)
         self._build_units(found, init_fn, group_of)
@@ -200,6 +211,16 @@ class ZeRO3(UnitSchedule, Engine):
             raise ValueError("meta-device buffers are not supported: build buffers on the CPU")
         if bufs:
             broadcast_from_rank0(bufs, self.comm, self._src)
+
+    @staticmethod
+    def _compile_units(found, compiled):
+        """torch.compile(model) under ZeRO-3. A graph of the whole model cannot hold the units'
+        hooks, which gather and free parameters between units (and it would read released
+        parameters while tracing), so each unit's forward is compiled instead, as FSDP2's users
+        compile each block, with the wrapper's own settings; its hooks, and the root's forward,
+        run eagerly around the compiled code."""
+        for _, module in found:
+            module.forward = compiled.dynamo_ctx(module.forward)
 
     def _unit_built(self, u):
         """Called as each unit is built (offload='disk' pages it out at once)."""
