@@ -30,6 +30,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from functools import lru_cache, partial
 
 import pytest
@@ -448,3 +449,37 @@ def test_a_full_or_read_only_offload_dir_is_refused_at_construction(tmp_path, mo
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
     with pytest.raises(OSError, match="MiB free"):                               # a full disk
         zl.ZeRO(model, OPT, stage=3, offload="disk", offload_dir=str(tmp_path / "full"))
+
+
+# ------------------------------------------------------------------ delay_update and a scheduler
+
+
+class SlowAdamW(torch.optim.AdamW):
+    """AdamW that reads its learning rate only after a pause: the delayed update's thread then
+    surely runs after the main thread's scheduler.step() (a race that is otherwise 1 in 6)."""
+
+    used: list = []
+
+    def step(self, closure=None):
+        time.sleep(0.3)
+        SlowAdamW.used.append(self.param_groups[0]["lr"])
+        return super().step(closure)
+
+
+def delayed_with_a_scheduler():
+    model, data, loss_fn, B = build("gpt", 0)
+    eng = zl.ZeRO(model, SlowAdamW(model.parameters(), lr=1e-3), stage=2, offload="optimizer",
+                  delay_update=True)
+    scheduler = torch.optim.lr_scheduler.StepLR(eng.optimizer, step_size=1, gamma=0.5)
+    for s in range(3):
+        loss_fn(eng, data.batch(s, B, 0, 1))[1].backward()
+        eng.optimizer.step()
+        eng.optimizer.zero_grad()
+        scheduler.step()            # while the update of step s runs on its thread
+    eng.finish_update()
+    return SlowAdamW.used
+
+
+def test_a_scheduler_under_delay_update_changes_the_next_step_not_the_one_in_flight():
+    # each update uses the learning rate of the step() that started it: 1e-3, then halved per step
+    assert zl.launch(delayed_with_a_scheduler, 1)[0] == [1e-3, 5e-4, 2.5e-4]

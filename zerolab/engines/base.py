@@ -352,13 +352,14 @@ class Engine:
         self._publish()
         self._drop_step_grads()
 
-    def _optimizer_step(self, held) -> None:
-        """optimizer.step() on the masters; the ranges in `held` (_held_ranges) stay as they are."""
+    def _optimizer_step(self, held, optimizer=None) -> None:
+        """optimizer.step() on the masters; the ranges in `held` (_held_ranges) stay as they are.
+        `optimizer`: the engine's, or offload's copy with this step's hyperparameters."""
         views = self._group_views        # parameter groups on flat tensors (param_groups)
         if views is not None:
             views.point_grads()
         with held_still(self.optimizer, held):
-            self._run_optimizer()
+            self._run_optimizer(optimizer)
         if views is not None:
             views.drop_grads()
 

@@ -108,6 +108,16 @@ class Transfers:
         self.records = []
 
 
+def with_hyperparameters_of_now(optimizer):
+    """The same optimizer (its tensors and state shared), with its parameter groups' settings
+    (lr, betas, weight decay...) copied as they are now: a step on another thread then reads
+    these, whatever a learning-rate scheduler writes into the real groups meanwhile."""
+    frozen = object.__new__(type(optimizer))
+    frozen.__dict__.update(optimizer.__dict__)
+    frozen.param_groups = [dict(group) for group in optimizer.param_groups]
+    return frozen
+
+
 def check_offload(offload, offload_dir, delay_update, stage) -> None:
     """Refuse a misuse before anything is built or communicated."""
     if offload not in MODES:
@@ -210,10 +220,13 @@ class OptimizerOffload:
         if not self.delay_update:
             return super()._update(held)
         box: list = []
+        # the hyperparameters are read once, now: a scheduler's change after this step() (on
+        # the main thread, while the update runs) takes effect at the next step, as without delay
+        as_of_now = with_hyperparameters_of_now(self.optimizer)
 
         def update():                   # host arithmetic only: no collective on this thread
             try:
-                self._optimizer_step(held)
+                self._optimizer_step(held, as_of_now)
             except BaseException as e:  # re-raised by finish_update, on the main thread
                 box.append(e)
 
