@@ -134,6 +134,61 @@ def train(engine, steps: int = STEPS, first: int = 0, global_rows: int = 2 * ROW
     return {"losses": losses, "norms": norms, "memory": memory}
 
 
+def pytorch_train(engine, optimizer, steps: int = STEPS):
+    """The same steps written as a PyTorch script writes them: loss.backward(), nanoGPT's
+    require_backward_grad_sync for accumulation, optimizer.step(), optimizer.zero_grad().
+    `optimizer` is the one the script built and gave the engine. Returns this rank's losses."""
+    rank, world = where()
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for micro in range(ACCUM):
+            ids = tokens(step, micro, rank, world, ROWS * 2 // world)
+            engine.require_backward_grad_sync = micro == ACCUM - 1      # no_sync, nanoGPT's way
+            out = engine(input_ids=ids, labels=ids)
+            (out.loss / ACCUM).backward()
+            total += out.loss.item() / ACCUM
+        engine.clip_grad_norm_(MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+    return losses
+
+
+def both_loops(names=("single",) + ENGINES, steps: int = STEPS) -> dict:
+    """Each engine trained twice from the same weights, by zerolab's loop (train) and by PyTorch's
+    (pytorch_train, with an optimizer built on model.parameters() and handed to the engine):
+    {name: (same losses, same weights bit for bit)}. Then precision='fp16' with a bare
+    loss.backward(): {"fp16": the error step() raises}."""
+    out = {}
+    for name in names:
+        zl_engine = make(name, track_peak=False)
+        zl_losses = train(zl_engine, steps)["losses"]
+        model = gpt2()
+        optimizer = nanogpt_adamw(model.parameters())
+        pt_engine = make_with(name, model, optimizer)
+        pt_losses = pytorch_train(pt_engine, optimizer, steps)
+        a, b = zl_engine.full_state_dict(), pt_engine.full_state_dict()
+        out[name] = (zl_losses == pt_losses, all(torch.equal(a[k], b[k]) for k in a))
+    engine = make("ddp", precision="fp16", track_peak=False)
+    engine(input_ids=tokens(0, 0), labels=tokens(0, 0)).loss.backward()
+    try:
+        engine.optimizer.step()
+        out["fp16"] = "no error"
+    except RuntimeError as e:
+        out["fp16"] = str(e)
+    return out
+
+
+def make_with(name, model, optimizer, **options):
+    """The engine `name` around `model`, given an optimizer the script built on its parameters."""
+    if name == "single":
+        return zl.SingleProcess(model, optimizer, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return zl.engines.make(name, model, optimizer, **options)
+
+
 # ------------------------------------------------------------------ section 2 and 3: every engine
 
 
