@@ -3,6 +3,7 @@
     python -m zerolab bench                 # GPT "small", 2 ranks
     python -m zerolab bench --quick         # one repetition of a few steps, under 2 minutes
     python -m zerolab bench --plot figs/    # also write the figures chapter 10 shows
+    python -m zerolab bench --compile       # every model torch.compile'd (inductor) first
 
 Engines, all fp32 with AdamW on the same model, data and processes:
 
@@ -156,12 +157,15 @@ def _deepspeed_factories(make_model, lr, batch, bucket_mb, stages=(1, 2, 3)):
         ", ".join(str(s) for s in stages) + f" with buckets of {bucket_mb:g} MB like the other engines"
 
 
-def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KINDS):
+def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KINDS, compile_models=False):
     """[(name, make)] for every engine of the table, and a note on DeepSpeed.
 
     make() builds the engine on its own copy of the same initial model and returns its Runner.
     The timing phase builds them all; the memory phase builds one at a time, so each one's
-    allocations are counted alone.
+    allocations are counted alone. compile_models: each side's torch.compile, the way its users
+    apply it: zerolab's engines take the model compiled before wrapping (ZeRO-3 then compiles it
+    unit by unit), PyTorch DDP is compiled around the wrapper (its DDPOptimizer splits the graph
+    at the buckets), FSDP2 after fully_shard; DeepSpeed is left out.
     """
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -175,24 +179,30 @@ def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KIND
         torch.manual_seed(0)
         return GPT(cfg)
 
+    def compiled(module):
+        return torch.compile(module) if compile_models else module
+
+    def zl_model():
+        return compiled(make_model())
+
     def floor():
         # zl.DDP over a data-parallel group of one rank: the same buckets and flat optimizer as
         # every zerolab engine, nothing sent. No engine does less work, so none can beat it.
         from .mesh import Mesh
         alone = Mesh(dp=1, mp=dist.get_world_size())
-        r = _zl_runner("zl.DDP alone", "floor", make("ddp", make_model(), opt, bucket_mb=bucket_mb, mesh=alone,
+        r = _zl_runner("zl.DDP alone", "floor", make("ddp", zl_model(), opt, bucket_mb=bucket_mb, mesh=alone,
                                                      track_peak=False, track_activations=False))
         r.family = "floor"
         return r
 
     def torch_ddp():
         m = DistributedDataParallel(make_model(), bucket_cap_mb=bucket_mb)
-        return _torch_runner("PyTorch DDP", "DDP", "PyTorch", m, opt(m.parameters()))
+        return _torch_runner("PyTorch DDP", "DDP", "PyTorch", compiled(m), opt(m.parameters()))
 
     def zero_redundancy():
         m = DistributedDataParallel(make_model(), bucket_cap_mb=bucket_mb)
         zro = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
-        return _torch_runner("ZeroRedundancyOptimizer", "ZeRO-1", "PyTorch", m, zro)
+        return _torch_runner("ZeroRedundancyOptimizer", "ZeRO-1", "PyTorch", compiled(m), zro)
 
     def fsdp2(reshard):   # reshard=False keeps parameters gathered from forward to backward
         from torch.distributed.device_mesh import init_device_mesh
@@ -204,11 +214,11 @@ def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KIND
             fully_shard(block, reshard_after_forward=reshard, mesh=mesh)
         fully_shard(m, reshard_after_forward=reshard, mesh=mesh)
         return _torch_runner(f"FSDP2 reshard={reshard}", f"ZeRO-{2 if not reshard else 3}", "PyTorch",
-                             m, opt(m.parameters()))
+                             compiled(m), opt(m.parameters()))
 
     def zl_zero(stage, **kw):
         name = f"zl.ZeRO-{stage}" + "".join(f" {k}={v}" for k, v in kw.items())
-        r = _zl_runner(name, f"ZeRO-{stage}", make(f"zero{stage}", make_model(), opt, bucket_mb=bucket_mb,
+        r = _zl_runner(name, f"ZeRO-{stage}", make(f"zero{stage}", zl_model(), opt, bucket_mb=bucket_mb,
                                                      track_peak=False, **kw))
         if kw:
             r.family = "ablation"   # zerolab with a feature off: compared with zerolab, not peers
@@ -216,7 +226,7 @@ def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KIND
 
     out = [("zl.DDP alone", floor)]
     if "DDP" in kinds:
-        out += [("zl.DDP", lambda: _zl_runner("zl.DDP", "DDP", make("ddp", make_model(), opt, bucket_mb=bucket_mb,
+        out += [("zl.DDP", lambda: _zl_runner("zl.DDP", "DDP", make("ddp", zl_model(), opt, bucket_mb=bucket_mb,
                                                                       track_peak=False))),
                 ("PyTorch DDP", torch_ddp)]
     if "ZeRO-1" in kinds:
@@ -226,17 +236,17 @@ def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KIND
     if "ZeRO-3" in kinds:
         out += [("zl.ZeRO-3", partial(zl_zero, 3)), ("zl.ZeRO-3 prefetch=0", partial(zl_zero, 3, prefetch=0)),
                 ("FSDP2 reshard=True", partial(fsdp2, True))]
-    note = "DeepSpeed: not requested"
-    if deepspeed:
+    note = "DeepSpeed: not requested" if not compile_models else "DeepSpeed: left out of the compiled run"
+    if deepspeed and not compile_models:
         stages = [s for s in (1, 2, 3) if f"ZeRO-{s}" in kinds]
         ds, note = _deepspeed_factories(make_model, lr, batch, bucket_mb, stages)
         out += ds
     return out, note
 
 
-def build_runners(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KINDS):
+def build_runners(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KINDS, compile_models=False):
     """Every engine of the table, each on its own copy of the same initial model."""
-    factories, note = engine_factories(size, batch, bucket_mb, lr, deepspeed, kinds)
+    factories, note = engine_factories(size, batch, bucket_mb, lr, deepspeed, kinds, compile_models)
     runners = []
     for name, make in factories:
         if name.startswith("DeepSpeed") and note.startswith("DeepSpeed: not run"):
@@ -276,11 +286,13 @@ def measure_memory(make, data, batch, warmup=2):
     return trace.held("step"), trace.peak("step", "end")
 
 
-def bench_worker(size, batch, bucket_mb, warmup, steps, deepspeed=True, kinds=KINDS, memory=True):
+def bench_worker(size, batch, bucket_mb, warmup, steps, deepspeed=True, kinds=KINDS, memory=True,
+                 compile_models=False):
     """All engines in the same processes, one step each in turn, in a new shuffled order each step."""
     rank, n = dist.get_rank(), dist.get_world_size()
     data = CharDataset(gpt_config(size).block_size)
-    runners, note = build_runners(size, batch, bucket_mb, deepspeed=deepspeed, kinds=kinds)
+    runners, note = build_runners(size, batch, bucket_mb, deepspeed=deepspeed, kinds=kinds,
+                                  compile_models=compile_models)
     times = {r.name: [] for r in runners}
     losses = {}
     for i in range(warmup + steps):
@@ -309,7 +321,8 @@ def bench_worker(size, batch, bucket_mb, warmup, steps, deepspeed=True, kinds=KI
     # memory: each engine alone, built inside the allocator trace
     held, peak = {}, {}
     if memory:
-        factories = dict(engine_factories(size, batch, bucket_mb, deepspeed=deepspeed, kinds=kinds)[0])
+        factories = dict(engine_factories(size, batch, bucket_mb, deepspeed=deepspeed, kinds=kinds,
+                                          compile_models=compile_models)[0])
         for name, _, _ in rows:
             # measured on a second build: the first in this trace may pay one-off lazy set-up
             # (op and dispatch caches, first-time shapes) that is the process's, not the engine's
@@ -322,7 +335,7 @@ def bench_worker(size, batch, bucket_mb, warmup, steps, deepspeed=True, kinds=KI
 
 
 def run(size="small", world_size=2, batch=8, bucket_mb=1.0, reps=2, warmup=2, steps=6,
-        deepspeed=True, kinds=KINDS, log=print):
+        deepspeed=True, kinds=KINDS, log=print, compile_models=False, memory=True):
     """Launch the benchmark `reps` times (fresh processes each); returns the summary dict."""
     for name, v in (("world_size", world_size), ("batch", batch), ("reps", reps), ("steps", steps)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -335,13 +348,14 @@ def run(size="small", world_size=2, batch=8, bucket_mb=1.0, reps=2, warmup=2, st
     results = []
     for rep in range(reps):
         # memory is measured once, in the last repetition (each engine built alone, traced)
-        res = launch(bench_worker, world_size, timeout=600,
-                     args=(size, batch, bucket_mb, warmup, steps, deepspeed, kinds, rep == reps - 1))
+        res = launch(bench_worker, world_size, timeout=1800 if compile_models else 600,
+                     args=(size, batch, bucket_mb, warmup, steps, deepspeed, kinds,
+                           memory and rep == reps - 1, compile_models))
         results.append(res)
         if log:
             log(f"  repetition {rep + 1}/{reps} done")
     s = summarize(results, steps)
-    s.update(size=size, world_size=world_size, batch=batch, bucket_mb=bucket_mb, reps=reps)
+    s.update(size=size, world_size=world_size, batch=batch, bucket_mb=bucket_mb, reps=reps, compiled=compile_models)
     return s
 
 
@@ -359,6 +373,9 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="1 repetition of 6 timed steps")
     p.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed out even if installed")
     p.add_argument("--plot", metavar="DIR", help="write the figures (PNG) into DIR")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile every model first (inductor; minutes of compiling), DeepSpeed left out")
+    p.add_argument("--no-memory", action="store_true", help="skip the memory columns (each engine built alone)")
     a = p.parse_args(argv)
     if a.quick:
         a.reps, a.steps, a.warmup = 1, 6, 2
@@ -370,9 +387,11 @@ def main(argv=None):
     if a.warmup < 0:
         p.error("--warmup must be >= 0")
     print(f"GPT {a.size!r}, {a.world_size} ranks (gloo, CPU), batch {a.batch} per rank, fp32 AdamW, "
-          f"buckets of {a.bucket_mb:g} MB, {a.reps} x {a.steps} timed steps after {a.warmup} warm-up")
+          f"buckets of {a.bucket_mb:g} MB, {a.reps} x {a.steps} timed steps after {a.warmup} warm-up"
+          f"{', every model torch.compiled' if a.compile else ''}")
     t0 = time.perf_counter()
-    s = run(a.size, a.world_size, a.batch, a.bucket_mb, a.reps, a.warmup, a.steps, deepspeed=not a.no_deepspeed)
+    s = run(a.size, a.world_size, a.batch, a.bucket_mb, a.reps, a.warmup, a.steps, deepspeed=not a.no_deepspeed,
+            compile_models=a.compile, memory=not a.no_memory)
     main.last = s  # the summary, for callers that want the numbers
     print()
     print(format_table(s))

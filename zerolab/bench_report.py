@@ -43,7 +43,8 @@ def summarize(results, steps):
         per_rep = [statistics.median(x / y for x, y in zip(ta, tb)) for ta, tb in zip(times[a], times[b])]
         return statistics.median(x / y for x, y in zip(flat(a), flat(b))), _spread(per_rep)
 
-    mem = next(res for res in reversed(results) if res[0]["peak"])   # the repetition that measured memory
+    # the repetition that measured memory (none with --no-memory)
+    mem = next((res for res in reversed(results) if res[0]["peak"]), None)
     rows = []
     for nm, kind, family in first["rows"]:
         vs_floor, vs_floor_spread = pair(nm, floor)
@@ -51,7 +52,8 @@ def summarize(results, steps):
                      "ms": statistics.median(flat(nm)) * 1e3,
                      "ms_spread": tuple(1e3 * x for x in _spread([statistics.median(rep) for rep in times[nm]])),
                      "vs_floor": vs_floor, "vs_floor_spread": vs_floor_spread,
-                     "held": max(r["held"][nm] for r in mem), "peak": max(r["peak"][nm] for r in mem),
+                     "held": None if mem is None else max(r["held"][nm] for r in mem),
+                     "peak": None if mem is None else max(r["peak"][nm] for r in mem),
                      "bytes": None if last[0]["wrote"][nm] is None else max(r["wrote"][nm] for r in last),
                      "ledger": last[0]["ledger"][nm],
                      "loss": statistics.mean(r["loss"][nm] for r in last), "vs_peer": None, "best_peer": None,
@@ -67,7 +69,8 @@ def summarize(results, steps):
             best = min(peers, key=lambda p: p["ms"])
             row["best_peer"] = best["engine"]
             row["vs_peer"], row["vs_peer_spread"] = pair(row["engine"], best["engine"])
-            row["least_peer"] = min(peers, key=lambda p: p["peak"])["engine"]
+            if mem is not None:
+                row["least_peer"] = min(peers, key=lambda p: p["peak"])["engine"]
     # zerolab and PyTorch engines must agree to fp32 noise; DeepSpeed is reported on its own
     dist_losses = [r["loss"] for r in rows if r["family"] in ("zerolab", "ablation", "PyTorch")]
     ds = [r["loss"] for r in rows if r["family"] == "DeepSpeed"]
@@ -100,7 +103,8 @@ def _cells(s, r):
     return {"engine": r["engine"], "kind": r["kind"],
             "step (ms)": _with_spread(r["ms"], r["ms_spread"], ".1f"),
             "vs floor": _with_spread(r["vs_floor"], r["vs_floor_spread"], ".2f"), "vs best peer": peer,
-            "held (MB)": f"{r['held'] / 1e6:.2f}", "peak/rank (MB)": f"{r['peak'] / 1e6:.2f}",
+            "held (MB)": "-" if r["held"] is None else f"{r['held'] / 1e6:.2f}",
+            "peak/rank (MB)": "-" if r["peak"] is None else f"{r['peak'] / 1e6:.2f}",
             "bytes/step (MB)": "n/a" if r["bytes"] is None else f"{r['bytes'] / 1e6:.2f}",
             "bytes / 4Ψ": "n/a" if r["bytes"] is None else f"{r['bytes'] / psi_bytes:.2f}",
             "ledger / 4Ψ": "" if r["ledger"] is None or r["kind"] == "floor" else f"{r['ledger'] / psi_bytes:.2f}",
@@ -154,8 +158,8 @@ def targets(s) -> list[tuple[str, bool | None]]:
             lo, hi = r["vs_peer_spread"]
             out.append((f"{r['engine']} step time <= best peer ({r['best_peer']}): {r['vs_peer']:.2f} "
                         f"(repetitions {lo:.2f}-{hi:.2f})", verdict(r["vs_peer_spread"], reps)))
-            least = rows[r["least_peer"]]
-            if r["kind"] in MEMORY_TARGET_KINDS:
+            least = rows.get(r["least_peer"])
+            if r["kind"] in MEMORY_TARGET_KINDS and least is not None:
                 out.append((f"{r['engine']} peak memory <= least peer ({least['engine']}): "
                             f"{r['peak'] / 1e6:.2f} vs {least['peak'] / 1e6:.2f} MB", r["peak"] <= least["peak"]))
         if r["family"] == "ablation":
