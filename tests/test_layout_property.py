@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerolab.buckets import FlatBuckets
-from zerolab.engines.base import flat_segments
+from zerolab.engines.state import flat_segments
 
 shapes = st.lists(st.lists(st.integers(1, 6), min_size=0, max_size=3).map(tuple), min_size=1, max_size=7)
 

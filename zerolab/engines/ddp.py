@@ -52,7 +52,7 @@ import torch
 from ..buckets import FlatBuckets, unreached_ranges
 from ..precision import cast_for_compute
 from . import param_groups
-from .base import flat_segments
+from .state import flat_segments
 from .naive_ddp import NaiveDDP
 
 

@@ -52,7 +52,8 @@ import torch.nn as nn
 from ..buckets import unreached_ranges
 from ..memory import optimizer_tensors
 from ..precision import fp32_where_buffers
-from .base import Engine, flat_segments
+from .base import Engine
+from .state import flat_segments
 from . import param_groups, zeropp
 from .setup import broadcast_from_rank0, compiled_parts, start_data_parallel
 from .units import Unit, find_units, group_params, measure_peak
