@@ -193,24 +193,41 @@ def found_overflow(grads, ledger=None, group=None) -> bool:
     return bool(flag.item() > 0)
 
 
+def squared_norm(grads, into: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's share of the squared L2 norm: the sum of squares of every element of
+    `grads` in fp32, a tensor passed twice (a tied weight) once; added to `into` if given (a
+    gradient seen a piece at a time, as offload="disk" streams it)."""
+    sq = torch.zeros(1, dtype=torch.float32) if into is None else into
+    for g in _unique(grads):
+        sq += g.detach().float().pow(2).sum()
+    return sq
+
+
+def global_norm(sq: torch.Tensor, ledger=None, group=None) -> float:
+    """The L2 norm of a gradient from its ranks' squared shares (squared_norm): with sharded
+    gradients each rank holds a disjoint piece, so the shares are summed over the ranks (one
+    all-reduce) before the square root. The one norm every engine clips by."""
+    if ledger is not None:
+        ledger.all_reduce(sq, op="sum", group=group, tag="grad_norm")
+    return math.sqrt(sq.item())
+
+
+def clip_coefficient(total: float, max_norm: float) -> float:
+    """What to multiply the gradients by so their norm is at most max_norm (never above 1)."""
+    return min(1.0, max_norm / (total + 1e-6))
+
+
 def clip_grad_norm_(grads, max_norm, ledger=None, group=None) -> float:
     """Scale gradients in place so that their global L2 norm is at most max_norm.
 
-    `grads` are the tensors this rank holds; with sharded gradients each rank holds a
-    disjoint piece, so the squared norms are summed across ranks (all-reduce) before the
-    square root. A tensor passed twice (a tied weight) counts once. Returns the total norm
-    before clipping, as torch.nn.utils.clip_grad_norm_ does.
+    `grads` are the tensors this rank holds (global_norm sums the ranks' shares). Returns the
+    total norm before clipping, as torch.nn.utils.clip_grad_norm_ does.
     """
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
         raise ValueError(f"clip_grad_norm_: max_norm must be a number > 0; got {max_norm!r}")
     grads = _unique(grads)
-    sq = torch.zeros(1, dtype=torch.float32)
-    for g in grads:
-        sq += g.detach().float().pow(2).sum()
-    if ledger is not None:
-        ledger.all_reduce(sq, op="sum", group=group, tag="grad_norm")
-    total = math.sqrt(sq.item())
-    coef = max_norm / (total + 1e-6)
+    total = global_norm(squared_norm(grads), ledger, group)
+    coef = clip_coefficient(total, max_norm)
     if coef < 1.0:  # only ever shrink
         for g in grads:
             g.mul_(coef)

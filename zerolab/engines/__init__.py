@@ -22,6 +22,8 @@ a name means the same engine everywhere; zl.ZeRO(stage=k) picks among the three 
 
 import importlib
 
+from .options import OFFLOAD, disk_needs_stage_3
+
 # name -> (module, class)
 ENGINES = {
     "single": ("zerolab.engines.single", "SingleProcess"),
@@ -47,26 +49,31 @@ def make(name: str, model, optimizer, **options):
     return engine_class(name)(model, optimizer, **options)
 
 
-def ZeRO(model, optimizer, *, stage=None, **options):
+def ZeRO(model, optimizer=None, *, stage=None, **options):
     """zl.ZeRO(model, optimizer, stage=1 | 2 | 3, ...): the ZeRO engine of that stage
-    (ZeRO1, ZeRO2 or ZeRO3), with the same options for every stage; offload="optimizer" (any
-    stage) or "disk" (stage 3, with offload_dir=) moves model states off the device
-    (zerolab.engines.offload)."""
+    (ZeRO1, ZeRO2 or ZeRO3), with the same options for every stage (zerolab.engines.options);
+    offload="optimizer" (any stage) or "disk" (stage 3, with offload_dir=) moves model states
+    off the device (zerolab.engines.offload, offload_disk)."""
     if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (1, 2, 3):
         raise ValueError(f"stage must be 1 (shard optimizer state), 2 (also gradients) or 3 (also "
                          f"parameters); got {stage!r}")
-    given = [k for k in ("quantize_weights", "secondary_partition", "quantize_gradients", "shard_group",
-                          "topology") if options.get(k) not in (None, False)]
-    if stage != 3 and given:
-        raise ValueError(f"{', '.join(given)}: ZeRO++ and HSDP options act on sharded parameters, "
-                         f"which only stage 3 has; got stage={stage}. Use stage=3 (or drop the options).")
-    offload = options.pop("offload", None)
-    if offload is not None or options.get("offload_dir") is not None or options.get("delay_update"):
-        if given:
-            raise ValueError(f"offload with {', '.join(given)}: offloading and ZeRO++ / HSDP are not "
-                             "supported together; choose one.")
-        from .offload import offloaded      # ZeRO-Offload / ZeRO-Infinity (engines.offload)
-        return offloaded(stage, offload)(model, optimizer, offload=offload, **options)
-    options.pop("offload_dir", None)
-    options.pop("delay_update", None)
-    return make(f"zero{stage}", model, optimizer, **options)
+    offload = options.get("offload")
+    if offload is None and not any(options.get(k) for k in ("offload_dir", "delay_update")):
+        for k in ("offload", "offload_dir", "delay_update"):
+            options.pop(k, None)
+        return make(f"zero{stage}", model, optimizer, **options)
+    return offloaded(stage, offload)(model, optimizer, **options)   # (its options check the rest)
+
+
+def offloaded(stage: int, offload):
+    """The class of zl.ZeRO(stage=..., offload=...): ZeRO-Offload's mixin on the stage's engine, or
+    ZeRO-Infinity's disk engine (stage 3)."""
+    from .offload import OptimizerOffload
+    if offload == "disk":
+        disk_needs_stage_3(stage)
+        from .offload_disk import ZeRO3Disk
+        return ZeRO3Disk
+    base = engine_class(f"zero{stage}")
+    return type(f"{base.__name__}Offload", (OptimizerOffload, base),
+                {"__module__": OptimizerOffload.__module__, "takes": base.takes + OFFLOAD,
+                 "__doc__": f"{base.__name__} with offload='optimizer'."})

@@ -38,7 +38,6 @@ _full_values and _memory_tensors.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 
 import torch
@@ -46,9 +45,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..buckets import held_still
 from ..memory import PeakMemory
-from ..precision import clip_grad_norm_
+from ..precision import clip_grad_norm_, global_norm, squared_norm
 from . import grad_guard
-from .setup import broadcast_from_rank0, check_max_grad_norm, measured_forward
+from .options import check_max_grad_norm
+from .setup import broadcast_from_rank0, measured_forward
 from .state import EngineState
 
 
@@ -318,12 +318,16 @@ class Engine(EngineState):
             return False
         max_norm, self._clip_next = self._clip_next or self.max_grad_norm, None
         if max_norm is not None:
-            # sharded engines hold disjoint slices: their squared norms are summed over ranks
-            self.last_grad_norm = clip_grad_norm_(grads, max_norm, self.comm if self.sharded else None,
-                                                  group=self.norm_group)
+            self._clip(grads, max_norm)
         self._update(self._held_ranges())   # the optimizer, then the compute copies
         self.precision.update(found_inf=False)
         return True
+
+    def _clip(self, grads, max_norm) -> None:
+        """Scale the step's gradients so that the whole gradient's norm is at most max_norm
+        (sharded engines hold disjoint slices: their squared norms are summed over ranks)."""
+        self.last_grad_norm = clip_grad_norm_(grads, max_norm, self.comm if self.sharded else None,
+                                              group=self.norm_group)
 
     def _update(self, held) -> None:
         """Apply the checked, clipped gradients: the optimizer updates the masters, then the
@@ -443,14 +447,10 @@ class Engine(EngineState):
         if max_norm is None or not self._backward_done:
             raise (ValueError("clip_grad_norm_: max_norm must be a number > 0") if max_norm is None else
                    RuntimeError("clip_grad_norm_() called before backward(): there is no gradient to clip"))
-        sq = torch.zeros(1, dtype=torch.float32)
-        for g in self._owned_grads():
-            if g is not None:
-                sq += g.detach().float().pow(2).sum()
-        if self.sharded:
-            self.comm.all_reduce(sq, group=self.norm_group, tag="grad_norm")
+        sq = squared_norm([g for g in self._owned_grads() if g is not None])
+        total = global_norm(sq, self.comm if self.sharded else None, self.norm_group)
         self._clip_next = float(max_norm)
-        return math.sqrt(sq.item()) / self.precision.scale    # (1 unless fp16 scales the loss)
+        return total / self.precision.scale    # (1 unless fp16 scales the loss)
 
     def _owned_grads(self) -> list:
         """The gradients this rank holds for the tensors it updates (here: one per parameter)."""

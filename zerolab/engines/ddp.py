@@ -51,7 +51,7 @@ import torch
 
 from ..buckets import FlatBuckets, unreached_ranges
 from ..precision import cast_for_compute
-from . import param_groups
+from . import options, param_groups
 from .state import flat_segments
 from .naive_ddp import NaiveDDP
 
@@ -68,22 +68,15 @@ class DDP(NaiveDDP):
     overlap_default = True      # launch each bucket as soon as it is full
     reduces_in_no_sync = False  # inside no_sync gradients only accumulate (ZeRO-2 differs)
 
-    def __init__(self, model: torch.nn.Module, optimizer=None, *, precision="fp32", bucket_mb=25.0,
-                 max_grad_norm=None, scaler=None, track_peak: bool = True, overlap: bool | None = None,
-                 mesh=None, checkpoint_activations=False, partition_activations=False,
-                 offload_activations=False, track_activations=None, broadcast_buffers=True):
-        self.bucket_mb = bucket_mb      # checked (and made a float) by _start
+    takes = options.BUCKETED    # NaiveDDP's options, and bucket_mb, overlap
+
+    def _read_options(self, opts, model) -> None:
+        self.bucket_mb = float(opts.layout.bucket_mb)
+        overlap = opts.layout.overlap
         self.overlap = self.overlap_default if overlap is None else bool(overlap)
-        self._start(model, optimizer, precision=precision, bucket_mb=bucket_mb,
-                    max_grad_norm=max_grad_norm, scaler=scaler, track_peak=track_peak, mesh=mesh,
-                    checkpoint_activations=checkpoint_activations,
-                    partition_activations=partition_activations,
-                    offload_activations=offload_activations, track_activations=track_activations,
-                    broadcast_buffers=broadcast_buffers)
 
     # -------------------------------------------------------------- layout
     def _setup_storage(self):
-        self.bucket_mb = float(self.bucket_mb)
         # bucket sizes count bytes in the dtype that is communicated (the compute dtype)
         elem = torch.empty((), dtype=self.precision.compute_dtype).element_size()
         scale = elem / self.params[0].element_size()

@@ -33,6 +33,8 @@ from ..buckets import bucket_order
 from ..precision import cast_for_compute
 from . import param_groups
 from .base import Engine
+from . import options
+from .options import EngineOptions
 from .setup import broadcast_from_rank0, compiled_parts, start_data_parallel
 
 
@@ -42,28 +44,27 @@ class NaiveDDP(Engine):
     flat_optimizer = None   # the optimizer steps parameter by parameter (DDP, ZeRO: flat buffers)
     takes_no_optimizer = True   # optimizer=None: the script steps its own (DistributedDataParallel's way)
     checkpoint_kind = "naive_ddp"
+    takes = options.DATA_PARALLEL   # the option names it takes (zerolab.engines.options)
 
-    def __init__(self, model: torch.nn.Module, optimizer=None, *, precision="fp32", max_grad_norm=None,
-                 scaler=None, track_peak: bool = True, mesh=None, checkpoint_activations=False,
-                 partition_activations=False, offload_activations=False,
-                 track_activations=None, broadcast_buffers=True):
-        self._start(model, optimizer, precision=precision, max_grad_norm=max_grad_norm, scaler=scaler,
-                    track_peak=track_peak, mesh=mesh, checkpoint_activations=checkpoint_activations,
-                    partition_activations=partition_activations,
-                    offload_activations=offload_activations, track_activations=track_activations,
-                    broadcast_buffers=broadcast_buffers)
+    def __init__(self, model: torch.nn.Module, optimizer=None, **options):
+        """options: precision, scaler, max_grad_norm, track_peak, track_activations,
+        broadcast_buffers, and ZeRO-R's mesh, checkpoint_activations, partition_activations,
+        offload_activations (zerolab.engines.options says what each does)."""
+        self._start(model, optimizer, options)
 
-    def _start(self, model, optimizer, **options):
+    def _start(self, model, optimizer, keywords):
         """The constructor every data-parallel engine of this family runs (DDP and ZeRO-1/2
-        pass their own options through): set-up, identical start, storage, optimizer."""
+        take more options): options checked, set-up, identical start, storage, optimizer."""
+        opts = EngineOptions.parse(type(self).__name__, self.takes, keywords, getattr(self, "stage", None))
+        self._read_options(opts, model)
         model, self.compiled = compiled_parts(model)
-        start_data_parallel(self, model, optimizer, **options)
+        start_data_parallel(self, model, optimizer, opts)
         # ranks start identical: rank 0's parameters and buffers (frozen ones too)
         broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), self.comm, self._src)
         # the optimizer sees the model's parameters, so its parameter groups can tell them apart
         self.optimizer, self._group_of = None, {}
         if optimizer is not None:
-            self.optimizer, self._group_of = param_groups.build(optimizer, model, options["precision"],
+            self.optimizer, self._group_of = param_groups.build(optimizer, model, opts.training.precision,
                                                                 self.flat_optimizer)
         self.params = bucket_order(model)
         self._setup_storage()
@@ -71,6 +72,10 @@ class NaiveDDP(Engine):
             self._place_groups()
             param_groups.hand_over(self.optimizer, self)
         self._watch_parameters()
+
+    def _read_options(self, opts, model) -> None:
+        """The engine's own settings from its checked options, before anything is built (DDP:
+        buckets), and its own checks of them against the model."""
 
     def _place_groups(self):
         """Move the optimizer's groups onto what this engine updates: one master per parameter."""

@@ -61,7 +61,6 @@ import torch.nn as nn
 
 from ..memory import live_bytes, optimizer_tensors
 
-MODES = ("optimizer", "disk")
 
 
 def host_empty(shape, dtype) -> torch.Tensor:
@@ -118,64 +117,29 @@ def with_hyperparameters_of_now(optimizer):
     return frozen
 
 
-def check_offload(offload, offload_dir, delay_update, stage) -> None:
-    """Refuse a misuse before anything is built or communicated."""
-    if offload not in MODES:
-        raise ValueError(f"offload must be None, 'optimizer' (fp32 masters and optimizer state in "
-                         f"host memory) or 'disk' (stage 3: also parameters, in files); got {offload!r}")
-    if offload == "disk" and stage != 3:
-        raise ValueError(f"offload='disk' needs stage=3 (only stage 3 shards the parameters, which "
-                         f"it pages to files unit by unit); got stage={stage}. Use offload='optimizer' "
-                         "with stages 1 and 2.")
-    if offload == "optimizer" and offload_dir is not None:
-        raise ValueError("offload_dir is for offload='disk'; offload='optimizer' keeps its state in "
-                         "host memory. Drop offload_dir, or use offload='disk' with stage=3.")
-    if offload == "disk" and offload_dir is None:
-        raise ValueError("offload='disk' needs offload_dir=, a directory on a fast local disk (NVMe) "
-                         "where each rank keeps its shards' files")
-    if not isinstance(delay_update, bool):
-        raise TypeError(f"delay_update must be True or False; got {delay_update!r}")
-    if delay_update and offload != "optimizer":
-        raise ValueError("delay_update=True (the delayed parameter update) needs offload='optimizer'")
-
-
 class OptimizerOffload:
     """Mixin for ZeRO1 / ZeRO2 / ZeRO3: masters and optimizer state in host memory (module doc)."""
 
     offload = "optimizer"
 
-    def __init__(self, model, optimizer, *, offload="optimizer", offload_dir=None, delay_update=False,
-                 **options):
-        check_offload(offload, offload_dir, delay_update, self.stage)
+    def __init__(self, model, optimizer=None, **keywords):
         self.transfers = Transfers()
-        self.delay_update = delay_update
         self._in_flight = None            # (thread, error box) of a delayed update in flight
-        super().__init__(model, optimizer, **options)
+        super().__init__(model, optimizer, **keywords)   # (its options include engines.options.Offload)
+        self.delay_update = self.options.offload.delay_update
         self._move_masters_to_host()
 
     # -------------------------------------------------------------- construction
-    def _device_shards(self) -> list:
-        """The compute copy of each master shard (what forward reads), in master order."""
-        if self.stage == 3:
-            return [u.shard["train"] for u in self._trained()]
-        return [b.data[s] for b, s in zip(self.buckets.buckets, self.shards)]
-
     @torch.no_grad()
     def _move_masters_to_host(self):
-        self._dev = self._device_shards()
+        self._dev = self._compute_shards()       # (the engine's: ZeRO1 or ZeRO3)
         old = list(self.masters)
         host = []
         for m in old:
             h = host_empty(m.shape, torch.float32)
             h.copy_(m)                  # setup, not a step: not counted
             host.append(nn.Parameter(h) if isinstance(m, nn.Parameter) else h)
-        # every name the engine has for its masters now means the host twins
-        if self.stage == 3:
-            for u, h in zip(self._trained(), host):
-                u.master = h
-            self.masters = list(host)
-        else:
-            self.master_shards[:] = host    # (flat_masters and masters are this same list)
+        self._set_masters(host)          # every name the engine has for them means the host twins
         # the optimizer holds the masters, or one view per parameter group of them
         new_of = {id(m): h for m, h in zip(old, host)}
         views = self._group_views
@@ -183,7 +147,7 @@ class OptimizerOffload:
             for k, (view, i, lo, hi) in enumerate(views.views):
                 new_of[id(view)] = host[i].detach()[lo:hi]
                 views.views[k] = (new_of[id(view)], i, lo, hi)
-            views.masters = self.masters if self.stage == 3 else self.master_shards
+            views.masters = self.masters
         for group in self.optimizer.param_groups:
             group["params"] = [new_of[id(t)] for t in group["params"]]
 
@@ -251,20 +215,6 @@ class OptimizerOffload:
         self._publish()
         self._drop_step_grads()
 
-    def _release_grads(self):
-        # zero_grad() while an update is in flight: its thread still reads the host gradients,
-        # which ZeRO-3's _release_grads would drop (u.master.grad = None). Hide the masters.
-        if self._in_flight is None or self.stage != 3:
-            return super()._release_grads()
-        masters = [u.master for u in self.units]
-        for u in self.units:
-            u.master = None
-        try:
-            super()._release_grads()
-        finally:
-            for u, m in zip(self.units, masters):
-                u.master = m
-
     def full_state_dict(self) -> dict:
         self.finish_update()
         return super().full_state_dict()
@@ -291,21 +241,3 @@ class OptimizerOffload:
         out["host"] = live_bytes(self.host_tensors())
         out["device"] = out["total"] - out["host"]
         return out
-
-
-def offloaded(stage: int, offload):
-    """The engine class for zl.ZeRO(stage=..., offload=...): refused here if the pair is wrong."""
-    if offload is None:
-        raise ValueError("offload_dir= and delay_update= are options of offload: pass "
-                         "offload='optimizer' (any stage) or offload='disk' (stage 3)")
-    if offload == "disk" and stage != 3:   # (the rest is checked by the engine's constructor)
-        check_offload(offload, "-", False, stage)
-    if offload == "disk":
-        from .offload_disk import ZeRO3Disk
-        return ZeRO3Disk
-    from .zero1 import ZeRO1
-    from .zero2 import ZeRO2
-    from .zero3 import ZeRO3
-    base = {1: ZeRO1, 2: ZeRO2, 3: ZeRO3}[stage]
-    return type(f"{base.__name__}Offload", (OptimizerOffload, base),
-                {"__module__": __name__, "__doc__": f"{base.__name__} with offload='optimizer'."})

@@ -44,7 +44,6 @@ written back to this engine's files (`resident`).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import shutil
 
@@ -52,7 +51,8 @@ import torch
 import torch.nn as nn
 
 from ..buckets import held_still
-from ..precision import found_overflow
+from ..precision import clip_coefficient, found_overflow, global_norm, squared_norm
+from . import options
 from .offload import OptimizerOffload, host_empty
 from .pager import Pager
 from .units import Unit
@@ -115,13 +115,12 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
 
     offload = "disk"
 
-    def __init__(self, model, optimizer, *, offload="disk", offload_dir=None, **options):
-        from .offload import check_offload
-        check_offload(offload, offload_dir, options.get("delay_update", False), 3)
-        check_offload_dir(offload_dir, model)
-        self.offload_dir = offload_dir
-        self.pager = None               # made by the first unit built (it needs this rank's number)
-        super().__init__(model, optimizer, offload=offload, offload_dir=offload_dir, **options)
+    takes = ZeRO3.takes + options.OFFLOAD
+    pager = None                        # made by the first unit built (it needs this rank's number)
+
+    def _read_options(self, opts, model) -> None:
+        check_offload_dir(opts.offload.offload_dir, model)
+        self.offload_dir = opts.offload.offload_dir
 
     # -------------------------------------------------------------- construction
     def _unit_built(self, u):
@@ -143,7 +142,7 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
         self.pager.flush()              # (or the next units would be built while this one is written)
 
     def _move_masters_to_host(self):
-        self._dev = self._device_shards()   # (the masters were made on the host, unit by unit)
+        self._dev = self._compute_shards()   # (the masters were made on the host, unit by unit)
         for u in self._trained():
             if u.key("master") not in self.pager.on_disk:
                 self.pager.out(u.key("master"), u.master.data)
@@ -193,15 +192,16 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
             return torch.zeros(u.master.shape, dtype=u.shard["train"].dtype)
         return self.pager.wait(u.key("grad"))
 
-    @torch.no_grad()
-    def _step(self) -> bool:
-        for u in self.units:
-            u.release("step")
+    # The step is Engine's template; its four parts that touch gradients stream them instead,
+    # because clipping and the fp16 overflow check need the WHOLE gradient before any unit may move.
+    _pass1 = None                       # (finite, per-unit sums, squared norm) of the gradient
+
+    def _step_grads(self) -> list:
+        """Pass 1: read each unit's gradient shard once (one in memory at a time) for its sum,
+        its finiteness (unscaled, in fp16) and its squared norm. Holds no gradient: returns []."""
         train = self._trained()
         scaler = self.precision.scaler
         inv = None if scaler is None else 1.0 / scaler.scale
-        max_norm, self._clip_next = self._clip_next or self.max_grad_norm, None
-        # pass 1: the finite check and the squared norm, one gradient shard in memory at a time
         sums, sq, finite = [], torch.zeros(1, dtype=torch.float32), True
         for i, u in enumerate(train):
             if self.prefetch and i + 1 < len(train) and train[i + 1].grad_shard is not None:
@@ -212,40 +212,39 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
                 finite = finite and bool(torch.isfinite(g).all())
             else:
                 sums.append(g.sum())
-            if max_norm is not None:
-                sq += g.pow(2).sum()
+            squared_norm([g], into=sq)
             if u.grad_shard is not None:
                 self.pager.out(u.key("grad"), u.grad_shard, dirty=False)
-        if inv is not None:
-            marker = [] if finite else [torch.tensor([float("inf")])]
-            if found_overflow(marker, self.precision.ledger, self.precision.group):
-                try:                    # (as Engine._step: a give-up names the module)
-                    self.precision.update(found_inf=True, step=self.steps)
-                except FloatingPointError as gave_up:
-                    raise FloatingPointError(f"{gave_up} {self._diagnose()}") from None
-                return False
-        else:
-            self._sums = sums
-            self._grads_finite([])      # raises on inf / nan (fp32, bf16), from the sums above
-        coef = 1.0
-        if max_norm is not None:
-            self.comm.all_reduce(sq, op="sum", group=self.norm_group, tag="grad_norm")
-            self.last_grad_norm = math.sqrt(sq.item())
-            coef = max_norm / (self.last_grad_norm + 1e-6)
-        # pass 2: each unit's update, reading the next unit's files meanwhile
-        held = self._held_ranges()
+        self._pass1 = (finite, sums, sq)
+        return []
+
+    def _grads_finite(self, grads) -> bool:
+        finite, sums, _ = self._pass1
+        if self.precision.scaler is not None:   # every rank agrees (the flag is all-reduced)
+            return not found_overflow([] if finite else [torch.tensor([float("inf")])],
+                                      self.precision.ledger, self.precision.group)
+        return super()._grads_finite(sums)      # raises on inf / nan (fp32, bf16), from the sums
+
+    def _grad_sums(self, grads) -> list:
+        return grads                            # (pass 1's sums are the "gradients" here)
+
+    def _clip(self, grads, max_norm) -> None:
+        """The clip coefficient from pass 1's squared norm; pass 2 applies it unit by unit."""
+        self.last_grad_norm = global_norm(self._pass1[2], self.comm, self.norm_group)
+        self._coef = clip_coefficient(self.last_grad_norm, max_norm)
+
+    _coef = 1.0
+
+    def _update(self, held) -> None:
+        """Pass 2: each unit's update (unscaled, clipped), reading the next unit's files meanwhile."""
+        scaler = self.precision.scaler
+        inv = None if scaler is None else 1.0 / scaler.scale
+        train = self._trained()
         for i, u in enumerate(train):
             if self.prefetch and i + 1 < len(train):
                 self._fetch_unit(self._step_names(i + 1, train[i + 1]))
-            self._update_unit(i, u, inv, coef, held)
-        self._sums = None
-        self.precision.update(found_inf=False)
-        return True
-
-    _sums = None                        # pass 1's per-unit gradient sums, for _grads_finite
-
-    def _grad_sums(self, grads) -> list:
-        return self._sums if self._sums is not None else super()._grad_sums(grads)
+            self._update_unit(i, u, inv, self._coef, held)
+        self._pass1, self._coef = None, 1.0
 
     def _update_unit(self, i, u, inv, coef, held):
         g = self._grad_in(u)

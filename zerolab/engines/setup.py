@@ -1,12 +1,12 @@
 """What every data-parallel engine does before it trains, and around each forward.
 
-* argument checks that need no other rank (_check_args), so a bad argument fails before any
-  collective could hang;
+(The options are checked before this runs, each family in one place: zerolab.engines.options.)
+
 * check_same_model: every rank must wrap the same model (names, shapes, dtypes) in the same
   engine with the same options, compared by a checksum over the engine's ledger, and broadcast_from_rank0: ranks start from rank 0's weights;
 * data_parallel_layout: which group the engine averages over (the whole world, or a Mesh's dp
-  group when the model is tensor-parallel), check_residual_options and enable_residual: ZeRO-R's
-  activation options (chapter 9), checked and switched on;
+  group when the model is tensor-parallel), enable_residual: ZeRO-R's activation options
+  (chapter 9) switched on;
 * check_optimizer_factory and check_built_optimizer: the optimizer is a torch optimizer built on
   the model's parameters, or a factory the engine calls on them (either way the engine moves its
   groups onto the tensors it updates: zerolab.engines.param_groups), checked before the model is
@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import math
 import zlib
 
 import torch
@@ -29,31 +28,6 @@ from ..memory import AllocationTracker, settled
 
 
 # ------------------------------------------------------------------ checks at construction
-
-
-def check_max_grad_norm(max_grad_norm):
-    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not
-                                      isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0):
-        raise ValueError(f"max_grad_norm must be None or a number > 0; got {max_grad_norm!r}")
-
-
-def _check_args(model, bucket_mb, max_grad_norm):
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0 \
-            or not math.isfinite(bucket_mb):
-        raise ValueError(f"bucket_mb must be a number > 0 (megabytes per bucket), got {bucket_mb!r}")
-    check_max_grad_norm(max_grad_norm)
-    devices = {}
-    for name, p in model.named_parameters():
-        devices.setdefault(p.device, name)
-    if len(devices) > 1:
-        where = ", ".join(f"{name!r} on {dev}" for dev, name in devices.items())
-        raise ValueError(f"all parameters must be on one device; found {where}. Move the model "
-                         "with model.to(zl.device()) before wrapping it.")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError("the model has no trainable parameters (every parameter has "
-                         "requires_grad=False): there is nothing for data parallelism to train")
 
 
 def _signature(model) -> list:
@@ -153,38 +127,6 @@ def data_parallel_layout(mesh):
     if mesh is None:
         return Ledger(), _world_size(), _rank(), 0
     return Ledger(group=mesh.dp_group), mesh.dp, mesh.dp_rank, mesh.dp_ranks[0]
-
-
-def check_residual_options(model, mesh, *, precision="fp32", max_grad_norm=None,
-                           checkpoint_activations=False, partition_activations=False,
-                           offload_activations=False, track_activations=None) -> None:
-    """Refuse bad mesh / ZeRO-R options before any collective (so no rank can hang)."""
-    from ..mesh import Mesh
-    if mesh is not None and not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a zl.Mesh (or None), got {type(mesh).__name__}")
-    for name, v in (("checkpoint_activations", checkpoint_activations),
-                    ("partition_activations", partition_activations),
-                    ("offload_activations", offload_activations)):
-        if not isinstance(v, bool):
-            raise TypeError(f"{name} must be True or False, got {v!r}")
-    if track_activations is not None and not isinstance(track_activations, bool):
-        raise TypeError(f"track_activations must be None (automatic), True or False, got {track_activations!r}")
-    if (partition_activations or offload_activations) and not checkpoint_activations:
-        which = "partition_activations" if partition_activations else "offload_activations"
-        raise ValueError(f"{which}=True acts on activation checkpoints: it needs "
-                         "checkpoint_activations=True as well")
-    if checkpoint_activations and getattr(model, "run_block", None) is not None:
-        raise ValueError("activation checkpointing is already enabled on this model (by "
-                         "zl.checkpointing.enable or an earlier engine); enable it once: pass the "
-                         "options to the engine and not to enable(), or the other way round")
-    if mesh is not None and mesh.mp > 1:
-        # the mp ranks hold different shards: these would need the mp group too
-        if max_grad_norm is not None:
-            raise ValueError("max_grad_norm with a mesh of mp > 1 is not supported: the norm "
-                             "would miss the other mp ranks' shards. Use max_grad_norm=None.")
-        if precision == "fp16":
-            raise ValueError("precision='fp16' with a mesh of mp > 1 is not supported: the mp "
-                             "ranks would not agree on overflow skips. Use 'fp32' or 'bf16'.")
 
 
 def enable_residual(model, mesh, checkpoint_activations, partition_activations, offload_activations):
@@ -290,50 +232,37 @@ def build_optimizer(optimizer, params, precision: str, flat_engine: str | None =
 # ------------------------------------------------------------------ a data-parallel engine starts
 
 
-def start_data_parallel(engine, model, optimizer, *, precision, scaler, max_grad_norm, track_peak,
-                        bucket_mb=25.0, mesh=None, checkpoint_activations=False,
-                        partition_activations=False, offload_activations=False,
-                        track_activations=None, broadcast_buffers=True) -> None:
-    """What NaiveDDP, DDP, ZeRO-1/2 and ZeRO-3 do first, in this order: every check that needs
-    no other rank (so a bad argument fails before a collective could hang), the group to
-    average over, precision, ZeRO-R's activation options, the engine's counters, and the
-    check that every rank wraps the same model. The engine then lays out its storage."""
+def start_data_parallel(engine, model, optimizer, options) -> None:
+    """What NaiveDDP, DDP, ZeRO-1/2 and ZeRO-3 do first, in this order: the checks that need the
+    model or the optimizer (options are checked already: engines.options), the group to average
+    over, precision, ZeRO-R's activation options, the engine's counters, and the check that every
+    rank wraps the same model with the same settings. The engine then lays out its storage."""
     from ..precision import MixedPrecision
-    _check_args(model, bucket_mb, max_grad_norm)
+    t, r = options.training, options.residual
+    options.check_model(model)
     if optimizer is None and engine.takes_no_optimizer:
-        check_no_optimizer(type(engine).__name__, precision, max_grad_norm)
+        check_no_optimizer(type(engine).__name__, t.precision, t.max_grad_norm)
     else:                        # (before the model is touched)
         if optimizer is None:
             raise TypeError(f"{type(engine).__name__} needs an optimizer: it keeps the optimizer state "
                             "(sharded) and steps it. Pass one built on model.parameters(), or a factory "
                             "such as functools.partial(torch.optim.AdamW, lr=3e-4).")
-        check_optimizer_factory(optimizer, precision, engine.flat_optimizer)
-    check_residual_options(model, mesh, precision=precision, max_grad_norm=max_grad_norm,
-                           checkpoint_activations=checkpoint_activations,
-                           partition_activations=partition_activations,
-                           offload_activations=offload_activations, track_activations=track_activations)
-    engine.mesh = mesh
-    engine.comm, engine.world_size, engine.rank, engine._src = data_parallel_layout(mesh)
-    engine.precision = MixedPrecision(precision, scaler=scaler, ledger=engine.comm)
-    engine.checkpointing = enable_residual(model, mesh, checkpoint_activations,
-                                           partition_activations, offload_activations)
+        check_optimizer_factory(optimizer, t.precision, engine.flat_optimizer)
+    engine.options = options
+    engine.mesh = r.mesh
+    engine.comm, engine.world_size, engine.rank, engine._src = data_parallel_layout(r.mesh)
+    engine.precision = MixedPrecision(t.precision, scaler=t.scaler, ledger=engine.comm)
+    engine.checkpointing = enable_residual(model, r.mesh, r.checkpoint_activations,
+                                           r.partition_activations, r.offload_activations)
     # measuring activations costs an allocation tracker around every forward: on by default
     # only where ZeRO-R is in use (a mesh or checkpointing); None in the report otherwise
-    engine.track_activations = (mesh is not None or checkpoint_activations) \
-        if track_activations is None else bool(track_activations)
-    engine.model, engine.max_grad_norm, engine.track_peak = model, max_grad_norm, track_peak
-    engine.broadcast_buffers = bool(broadcast_buffers)
+    engine.track_activations = (r.mesh is not None or r.checkpoint_activations) \
+        if t.track_activations is None else t.track_activations
+    engine.model, engine.max_grad_norm, engine.track_peak = model, t.max_grad_norm, t.track_peak
+    engine.broadcast_buffers = t.broadcast_buffers
     engine.steps, engine.last_peak, engine.last_grad_norm, engine.last_activations = 0, 0, None, None
     engine.last_backward = {}
-    config = {"engine": type(engine).__name__, "precision": precision, "bucket_mb": float(bucket_mb),
-              "max_grad_norm": max_grad_norm, "mesh": None if mesh is None else (mesh.dp, mesh.mp),
-              "checkpoint_activations": bool(checkpoint_activations),
-              "partition_activations": bool(partition_activations),
-              "offload_activations": bool(offload_activations), "broadcast_buffers": bool(broadcast_buffers)}
-    for option in ("prefetch", "overlap", "zeropp"):          # the engine's own, set before this runs
-        if hasattr(engine, option):
-            config[option] = getattr(engine, option)
-    check_same_model(model, engine.comm, engine._src, config)
+    check_same_model(model, engine.comm, engine._src, {"engine": type(engine).__name__, **options.settings()})
 
 
 def compiled_parts(model):

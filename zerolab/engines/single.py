@@ -23,18 +23,24 @@ from ..comm import Ledger
 from ..precision import MixedPrecision, cast_for_compute
 from .base import Engine
 from . import param_groups
-from .setup import check_max_grad_norm, check_optimizer_factory, compiled_parts
+from . import options
+from .options import EngineOptions
+from .setup import check_optimizer_factory, compiled_parts
 
 
 class SingleProcess(Engine):
     """One process, one model: forward, backward, mixed-precision step, measured memory."""
 
-    def __init__(self, model: torch.nn.Module, optimizer, *, precision="fp32", max_grad_norm=None,
-                 scaler=None, track_peak: bool = True):
+    takes = options.SINGLE      # precision, scaler, max_grad_norm, track_peak
+
+    def __init__(self, model: torch.nn.Module, optimizer, **keywords):
+        opts = EngineOptions.parse(type(self).__name__, self.takes, keywords)
+        precision, max_grad_norm = opts.training.precision, opts.training.max_grad_norm
+        scaler, track_peak = opts.training.scaler, opts.training.track_peak
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.options = opts
         model, self.compiled = compiled_parts(model)
-        check_max_grad_norm(max_grad_norm)
         check_optimizer_factory(optimizer, precision)     # before the model is touched
         self.world_size = 1
         self.comm = Ledger()  # one process: nothing moves, but engines share the interface

@@ -43,7 +43,7 @@ import torch
 
 from ..memory import live_bytes
 from ..precision import cast_for_compute
-from . import grad_guard
+from . import grad_guard, options
 from .ddp import DDP
 
 
@@ -60,10 +60,12 @@ class ZeRO1(DDP):
     accumulates_after_reduce = False   # (Engine._begin_backward) this rank holds its slice's mean only
     overlap_default = False   # reduce-scatter after backward (ZeRO-2 overlaps)
 
-    def __init__(self, model: torch.nn.Module, optimizer=None, *, prefetch=1, **options):
-        self.prefetch = prefetch
-        self.grad_trace = None    # set it to [] to sample the gradient bytes held during backward
-        super().__init__(model, optimizer, **options)
+    takes = options.ZERO_1_2    # DDP's options, and prefetch (see the class docstring)
+    grad_trace = None             # set it to [] to sample the gradient bytes held during backward
+
+    def _read_options(self, opts, model) -> None:
+        super()._read_options(opts, model)
+        self.prefetch = opts.layout.prefetch
 
     @property
     def checkpoint_kind(self) -> str:
@@ -149,6 +151,14 @@ class ZeRO1(DDP):
             self._upload(mine, self.master_shards[b])
             # every rank gathers every slice (the input is a copy: it must not alias the output)
             self.comm.all_gather(bucket.data, mine.clone(), tag=f"param{b}")
+
+    def _compute_shards(self) -> list:
+        """The compute copy of each master slice (this rank's slice of each bucket), in order."""
+        return [b.data[s] for b, s in zip(self.buckets.buckets, self.shards)]
+
+    def _set_masters(self, masters: list) -> None:
+        """Every name the engine has for its master slices now means `masters` (offload)."""
+        self.master_shards[:] = masters     # (flat_masters and masters are this same list)
 
     def _upload(self, mine, master):
         """The updated fp32 master slice -> this rank's slice of the compute copy: a cast in

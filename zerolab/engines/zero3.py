@@ -54,7 +54,8 @@ from ..memory import optimizer_tensors
 from ..precision import fp32_where_buffers
 from .base import Engine
 from .state import flat_segments
-from . import param_groups, zeropp
+from . import options, param_groups, zeropp
+from .options import EngineOptions
 from .setup import broadcast_from_rank0, compiled_parts, start_data_parallel
 from .units import Unit, find_units, group_params, measure_peak
 from .zero3_schedule import UnitSchedule
@@ -90,12 +91,11 @@ class ZeRO3(UnitSchedule, Engine):
     accumulates_after_reduce = True       # (Engine._begin_backward) the gradient shards add up
     reduces_in_no_sync = True             # every backward reduces (see no_sync)
 
-    def __init__(self, model: nn.Module, optimizer=None, *, precision="fp32", bucket_mb=25.0, prefetch=1,
-                 max_grad_norm=None, scaler=None, units=None, track_peak=True, init_fn=None, mesh=None,
-                 checkpoint_activations=False, partition_activations=False, offload_activations=False,
-                 track_activations=None, broadcast_buffers=True, topology=None, quantize_weights=False,
-                 secondary_partition=None, quantize_gradients=False, shard_group=None):
-        zeropp.check_options(quantize_weights, secondary_partition, quantize_gradients, shard_group)
+    takes = options.ZERO_3      # the data-parallel options, units', and ZeRO++ / HSDP's
+
+    def __init__(self, model: nn.Module, optimizer=None, **keywords):
+        opts = EngineOptions.parse(type(self).__name__, self.takes, keywords, self.stage)
+        self._read_options(opts, model)
         model, compiled = compiled_parts(model)
         in_place = [n or type(model).__name__ for n, m in model.named_modules()
                     if getattr(m, "_compiled_call_impl", None) is not None] if isinstance(model, nn.Module) else []
@@ -105,26 +105,17 @@ class ZeRO3(UnitSchedule, Engine):
                 "ZeRO-3 puts on it too: they gather and free parameters, which a graph cannot hold. "
                 "Compile the whole model before wrapping it (torch.compile(model): ZeRO-3 then "
                 "compiles each unit's forward), or replace a block by torch.compile(block).")
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"prefetch must be an int >= 0 (units to gather ahead; 0 = off), got {prefetch!r}")
-        if isinstance(model, nn.Module) and init_fn is None \
+        layout, z = opts.layout, opts.zeropp
+        if isinstance(model, nn.Module) and layout.init_fn is None \
                 and any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError("the model is on the meta device: pass init_fn(name, module) to "
                              "initialise its parameters unit by unit")
-        self.prefetch = prefetch
-        ranks_per_node = getattr(topology, "ranks_per_node", topology)
-        self.zeropp = (quantize_weights, secondary_partition, quantize_gradients, shard_group, ranks_per_node)
-        start_data_parallel(self, model, optimizer, precision=precision, scaler=scaler,
-                            max_grad_norm=max_grad_norm, track_peak=track_peak, bucket_mb=bucket_mb,
-                            mesh=mesh, checkpoint_activations=checkpoint_activations,
-                            partition_activations=partition_activations,
-                            offload_activations=offload_activations, track_activations=track_activations,
-                            broadcast_buffers=broadcast_buffers)
-        self.bucket_mb = float(bucket_mb)
+        self.prefetch = layout.prefetch
+        start_data_parallel(self, model, optimizer, opts)
+        self.bucket_mb = float(layout.bucket_mb)
         # how units' collectives travel; HSDP shards over a node, so a unit's shard index is the
         # rank in the node (engine.rank stays the global rank: the loss is still divided by N)
-        self.route = zeropp.Route(self.comm, self.world_size, self.rank, topology, quantize_weights,
-                                  secondary_partition, quantize_gradients, shard_group)
+        self.route = zeropp.Route(self.comm, self.world_size, self.rank, z)
         self.shard_rank, self.replicas = self.route.shard_rank, self.route.replicas
         self.replica_index = self.route.replica_index
         self.norm_group = self.route.shard_group     # replicas hold the same shards: count them once
@@ -137,15 +128,16 @@ class ZeRO3(UnitSchedule, Engine):
         self._fwd_counts = None
         self._reducing: list = []       # units whose reduce-scatter is in flight, oldest first
 
-        found, note = find_units(model, units)
+        found, note = find_units(model, layout.units)
         if note:
             warnings.warn(note, stacklevel=2)
         self.note = note
         if compiled is not None:
             self._compile_units(found, compiled)
         # the factory sees the model's parameters (its groups can tell them apart) ...
-        self.optimizer, group_of = param_groups.build(optimizer, model, precision, self.flat_optimizer)
-        self._build_units(found, init_fn, group_of)
+        self.optimizer, group_of = param_groups.build(optimizer, model, opts.training.precision,
+                                                      self.flat_optimizer)
+        self._build_units(found, layout.init_fn, group_of)
         # ... and updates one fp32 shard per unit (with several groups: a view per group in it)
         self.masters = [u.master for u in self.units if u.master is not None]
         trained = [u.buckets["train"] for u in self.units if u.master is not None]
@@ -212,6 +204,9 @@ class ZeRO3(UnitSchedule, Engine):
             raise ValueError("meta-device buffers are not supported: build buffers on the CPU")
         if bufs:
             broadcast_from_rank0(bufs, self.comm, self._src)
+
+    def _read_options(self, opts, model) -> None:
+        """The engine's own checks of its options against the model (offload='disk': its directory)."""
 
     @staticmethod
     def _compile_units(found, compiled):
@@ -281,16 +276,23 @@ class ZeRO3(UnitSchedule, Engine):
             shard.copy_(master)
 
     def _drop_step_grads(self):
-        if self.precision.policy.needs_master:
-            for u in self._trained():
-                u.master.grad = None
+        for u in self._trained():       # (fp32: the master's grad IS the gradient shard)
+            u.master.grad = None
 
     def _release_grads(self):
         for u in self.units:
             u.grad_shard = None
             u.unused_positions = None
-            if u.master is not None:
-                u.master.grad = None
+
+    def _compute_shards(self) -> list:
+        """The compute copy of each master shard (what forward gathers), in master order."""
+        return [u.shard["train"] for u in self._trained()]
+
+    def _set_masters(self, masters: list) -> None:
+        """Every name the engine has for its master shards now means `masters` (offload)."""
+        for u, m in zip(self._trained(), masters):
+            u.master = m
+        self.masters = list(masters)
 
     # -------------------------------------------------------------- state and memory
     def checkpoint_segments(self, names):

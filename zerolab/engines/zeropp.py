@@ -58,24 +58,6 @@ GRAD_BLOCK = 32                   # ... of the gradients: int4 has 15 levels, so
 # in blocks of 256 ended 2.7 % above; with 32, qgZ alone was within 0.5 %. With int8 weights in
 # blocks of 256 as well, all three options together ended +0.8 % (AVX-512) and +1.2 % (ATen's default
 # kernels); with 64, -0.6 % to +0.3 % on the default, AVX2 and AVX-512 kernels.
-OPTIONS = ("topology", "quantize_weights", "secondary_partition", "quantize_gradients", "shard_group")
-
-
-def check_options(quantize_weights, secondary_partition, quantize_gradients, shard_group) -> None:
-    """Refuse bad values and combinations before any collective (so no rank can hang)."""
-    for name, v in (("quantize_weights", quantize_weights), ("quantize_gradients", quantize_gradients)):
-        if not isinstance(v, bool):
-            raise TypeError(f"{name} must be True or False, got {v!r}")
-    if secondary_partition not in (None, "node"):
-        raise ValueError(f"secondary_partition must be None or 'node' (hpZ: keep a node-local "
-                         f"shard for backward), got {secondary_partition!r}")
-    if shard_group not in (None, "world", "node"):
-        raise ValueError(f"shard_group must be None / 'world' (shard over every rank) or 'node' "
-                         f"(HSDP: shard inside a node, replicate across nodes), got {shard_group!r}")
-    if shard_group == "node" and (quantize_weights or secondary_partition or quantize_gradients):
-        raise ValueError("shard_group='node' (HSDP) with ZeRO++ options: HSDP already keeps the "
-                         "all-gathers inside the node, and its cross-node all-reduce is not "
-                         "quantized here. Use either shard_group='node' or the ZeRO++ options.")
 
 
 class _Done:
@@ -97,16 +79,15 @@ class Route:
     """How a unit's all-gathers and gradient reduction travel. Plain ZeRO-3: over the engine's
     group. The options above change single methods; Unit calls only these."""
 
-    def __init__(self, comm, world_size, rank, topology=None, quantize_weights=False,
-                 secondary_partition=None, quantize_gradients=False, shard_group=None):
-        check_options(quantize_weights, secondary_partition, quantize_gradients, shard_group)
+    def __init__(self, comm, world_size, rank, zeropp):
+        """zeropp: the engine's ZeroPP options (zerolab.engines.options), checked already."""
         self.comm = comm
         self.world_size = world_size               # the ranks a gradient is averaged over
-        self.quantize_weights, self.quantize_gradients = quantize_weights, quantize_gradients
-        self.secondary = secondary_partition == "node"
-        self.hsdp = shard_group == "node"
-        needs_topology = topology is not None or self.secondary or self.quantize_gradients or self.hsdp
-        self.topology = as_topology(topology) if needs_topology else None
+        self.quantize_weights, self.quantize_gradients = zeropp.quantize_weights, zeropp.quantize_gradients
+        self.secondary = zeropp.secondary_partition == "node"
+        self.hsdp = zeropp.shard_group == "node"
+        needs_topology = zeropp.topology is not None or self.secondary or self.quantize_gradients or self.hsdp
+        self.topology = as_topology(zeropp.topology) if needs_topology else None
         if self.topology is not None:
             comm.topology = self.topology          # the ledger books bytes by link class
         t = self.topology
