@@ -70,7 +70,7 @@ def bus_rows() -> list[Check]:
          "S. Jeaugey, NVIDIA/nccl-tests issue 212, 6 May 2024: 370 GB/s", ""),
         ("DGX A100 nodes, 8 x 200 Gb/s each (4 nodes modelled)", 192, _busbw(a100, 32), 0.10,
          "D. Addison (NVIDIA), NVIDIA/nccl issue 812, 31 March 2023: 192 GB/s", "the number of nodes is not stated; "
-         "the model's figure moves by less than 1% from 2 to 64 nodes"),
+         "the model's figure moves by less than 1% from 2 to 8 nodes"),
         ("DGX H100, 8 GPUs, NVLink SHARP (NCCL's default)", 480, _busbw(h100, 8), None,
          "S. Jeaugey, NVIDIA/nccl-tests issue 212, 6 May 2024: ~480 GB/s",
          "not modelled: the NVSwitches add, so each GPU sends its data once, not 2(N-1)/N times"),

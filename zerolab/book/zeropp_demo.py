@@ -376,8 +376,8 @@ def cost_figure(panels):
         ax.invert_yaxis()
         ax.set_title(title, fontsize=8)
         ax.set_xlabel("ms per step, one block per collective", fontsize=8)
-    for label, color in colors.items():
-        axes[0][-1].barh([], [], color=color, alpha=1.0 if label == "network" else 0.6, label=f"bound by {label}")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
+    from matplotlib.patches import Patch
+    axes[0][-1].legend(handles=[Patch(color=color, alpha=1.0 if label == "network" else 0.6, label=f"bound by {label}")
+                                for label, color in colors.items()], fontsize=7, loc="lower right")
     fig.tight_layout()
     return fig
