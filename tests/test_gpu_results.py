@@ -165,3 +165,15 @@ def test_buckets_and_overlap_and_prefetch_act_as_the_chapters_say():
     p2 = ov["prefetch"]["world2"]
     assert p2["gather_wait_ms"]["1"] < p2["gather_wait_ms"]["0"]
     assert ov["prefetch"]["world1"]["gather_wait_ms"]["0"] < 1.0      # NCCL at world 1: nothing to wait for
+
+
+def test_mfu_is_counted_against_the_datasheet_peak():
+    # one definition of MFU in the book: model FLOPs per second over the datasheet peak, as
+    # zerolab.cost_model counts it; the box's own ratio (over its measured matmul rate) is larger
+    from zerolab import cost_model as cm
+    from zerolab.book import gpu_results as gr
+    b = load("bench.json")
+    row = b["runs"]["world1"]["rows"][0]
+    assert gr.mfu(row, b) == pytest.approx(row["mfu"] * b["matmul_peak"]["flops"] / cm.H100_PEAK_FLOPS)
+    assert gr.mfu(row, b) < row["mfu"]
+    assert "datasheet bf16 peak" in gr._chapter10(None)

@@ -1,131 +1,194 @@
-"""A cost model for collectives and for one data-parallel training step, on paper.
+"""The book's one cost model: how long collectives and training steps take on a GPU cluster, on paper.
 
 The book's runs use gloo on a laptop CPU, whose timings say little about a GPU cluster. This
-module answers the cluster questions with arithmetic instead: how long does an all-reduce of
-S bytes take on N GPUs, and when does a training step hide it behind compute?
+module answers the cluster questions with arithmetic instead, and every chapter that quotes a
+time on a cluster asks it (chapters 4, 5, 8, 10 and 12; `zerolab.book.cost_checks` sets it
+beside published measurements).
 
     from zerolab import cost_model as cm
-    cm.collective_seconds("all_reduce", 2 * 7e9, 8, cm.H100_CLUSTER.intra)   # 7B bf16 grads, one node
-    cm.step_estimate(stage=3, psi=7e9, n=64, tokens_per_rank=8 * 4096, cluster=cm.H100_CLUSTER)
+    cm.collective_seconds("all_reduce", 2 * 7e9, 8, cm.H100_CLUSTER)     # 7B bf16 grads, one node
+    cm.collective_seconds("all_gather", 2 * 7e9, 64, cm.H100_CLUSTER)    # 8 nodes
+    cm.step_estimate(stage=3, psi=7e9, n=64, tokens_per_rank=4096, cluster=cm.H100_CLUSTER)
 
 Three layers, each a few lines:
 
-1. The alpha-beta model of one message (Hockney): sending m bytes over a link costs
-   alpha + m / beta seconds, alpha a fixed latency, beta the link's bandwidth.
-2. The ring algorithm built from it (chapter 4): N ranks pass chunks of S/N bytes around a
-   ring. A reduce-scatter or an all-gather takes N-1 steps and each rank sends (N-1)/N * S
-   bytes; an all-reduce is the two in a row, 2(N-1) steps and 2(N-1)/N * S bytes. All ranks send
-   at once, so the time is the steps' latency plus one rank's bytes over one rank's bandwidth.
-3. A training step: compute from the 6 * params * tokens rule, communication from the ZeRO
-   paper's volumes (2 Psi for DDP, ZeRO-1 and ZeRO-2; 3 Psi for ZeRO-3), and the part of the
-   communication that the compute cannot hide.
+1. Links. A GPU reaches the GPUs of its node over NVLink (through NVSwitch), and other nodes
+   through the node's network cards (NICs). Each link has a datasheet rate, the share of it
+   NCCL's kernels deliver (its protocol overhead), and a latency per message step.
+2. Collectives. In the ring algorithm (chapter 4) each rank sends (N-1)/N of the tensor for a
+   reduce-scatter or an all-gather, twice that for an all-reduce. Across nodes NCCL runs
+   several rings at once, one or more per NIC, and each ring leaves a node through one hop
+   only. So per node the network carries one rank's bytes in all, spread over every NIC of the
+   node, while each GPU sends the rest, (r-1)/r of its bytes (r of its ranks per node), over
+   NVLink. The two kinds of link work at once; the slower of them sets the time. NCCL's tree
+   all-reduce moves the same bytes with a latency that grows with log2(nodes) instead of N;
+   NCCL picks whichever its model says is faster, and so does this one ("auto").
+3. A training step: compute from the 6 * params * tokens rule at a stated fraction of the GPU's
+   datasheet peak (MFU), communication from the ZeRO paper's volumes (2 Psi for DDP, ZeRO-1 and
+   ZeRO-2; 3 Psi for ZeRO-3), and the part of the communication the compute cannot hide.
 
-What the model leaves out, on purpose (each makes the estimate optimistic; a measurement on
-real hardware is the judge):
-- NCCL picks among several algorithms (ring, tree, NVLS on NVSwitch, CollNet) and protocols per
-  call; only the ring is modelled here. Its bytes per rank are the least any algorithm can send,
-  so the bandwidth term is a floor.
-- Links never reach their peak: NCCL's benchmarks measure bus bandwidths somewhat below the
-  datasheet's figure. A Link takes whatever bandwidth you give it; the preset uses the peak.
-- A ring that spans nodes is limited by its slowest hop, so every step is charged the
-  inter-node link (NCCL's own model charges only the node-crossing steps the network latency).
-- Communication that overlaps compute is not free on a GPU: NCCL's kernels occupy streaming
-  multiprocessors and memory bandwidth, so the compute next to them runs slower.
+What the model leaves out (zerolab.book.cost_checks shows what each costs against published
+measurements):
+- In-network reduction: NVLink SHARP (NVLS) on H100 NVSwitches and SHARP on InfiniBand switches
+  add inside the network, so each GPU sends its data about once instead of 2(N-1)/N times;
+  NCCL uses NVLS for all-reduce by default on H100 nodes (about 480 GB/s bus bandwidth against
+  the ring's 370). The model's all-reduce is the ring's or the tree's: a floor on speed there.
+- Congestion in the network between nodes, stragglers, and message sizes below a few megabytes,
+  where NCCL switches to low-latency protocols with other constants.
+- Overlap is not free: NCCL's kernels occupy streaming multiprocessors and memory bandwidth, so
+  the compute beside them runs slower. The exposed time below is a lower bound.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+ALGORITHMS = ("auto", "ring", "tree")
 
 
+# ------------------------------------------------------------------ hardware, with its sources
 @dataclass(frozen=True)
 class Link:
-    """One kind of connection between GPUs, as seen by one rank.
+    """One GPU's NVLink, or one network card, in ONE direction.
 
-    alpha_s: seconds of latency per message step (the fixed cost of one hop of the ring).
-    bandwidth_Bps: bytes per second that one rank can send in ONE direction while it receives
-        as much in the other (datasheets often quote the two directions added together).
+    line_rate_Bps: the datasheet rate in one direction (datasheets often add both directions).
+    efficiency: the share of the line rate NCCL's kernels deliver (protocol overhead).
+    alpha_s: seconds of latency per ring step over this link (NCCL's own tuning model).
     """
 
     name: str
+    line_rate_Bps: float
+    efficiency: float
     alpha_s: float
-    bandwidth_Bps: float
+
+    @property
+    def bandwidth_Bps(self) -> float:
+        """What NCCL can push through the link: line rate times efficiency."""
+        return self.line_rate_Bps * self.efficiency
 
 
 @dataclass(frozen=True)
 class Cluster:
-    """Nodes of gpus_per_node GPUs: `intra` connects GPUs of one node, `inter` crosses nodes.
+    """Nodes of gpus_per_node GPUs on NVLink, each node on the network through nics_per_node NICs.
 
-    peak_flops: one GPU's dense peak for the training dtype (FLOP/s).
-    mfu: the fraction of that peak a real training run achieves (model FLOPs utilisation).
+    peak_flops: one GPU's dense datasheet peak for the training dtype (FLOP/s).
+    mfu: model FLOPs utilisation, the fraction of that peak the step's arithmetic runs at: the
+        literature's definition, 6 Psi FLOPs per token times tokens per second over the peak.
     """
 
     name: str
     gpus_per_node: int
-    intra: Link
-    inter: Link
+    nvlink: Link
+    nic: Link
+    nics_per_node: int
     peak_flops: float
     mfu: float
+    base_latency_s: float = 8.4e-6
 
     @property
     def achieved_flops(self) -> float:
         return self.peak_flops * self.mfu
 
-
-# An H100 SXM cluster like NVIDIA's DGX H100. Every figure is an assumption, with its source:
-# - 8 GPUs per node, joined by NVLink 4 through NVSwitch: 900 GB/s per GPU, both directions
-#   together, so 450 GB/s each way (NVIDIA H100 Tensor Core GPU datasheet; DGX H100 user guide).
-# - one 400 Gb/s NDR InfiniBand port (ConnectX-7) per GPU for the cluster network: 400 / 8 =
-#   50 GB/s each way (DGX H100 user guide: eight single-port ConnectX-7 cards, up to 400 Gb/s).
-# - latency per ring step: NCCL's own tuning model (src/graph/tuning.cc) charges a ring step of
-#   its bulk ("Simple") protocol about 3.4 us over NVLink and 9.6 us over the network; we round
-#   to 3 us and 10 us. They matter only for small messages (below about a megabyte).
-# - bf16 dense Tensor Core peak 989 TFLOP/s (the datasheet's 1,979 is with 2:4 sparsity).
-# - 40% of that peak achieved: large dense-transformer runs on H100 report 38-43% model FLOPs
-#   utilisation in bf16 (Llama 3, "The Llama 3 Herd of Models", Table 4).
-NVLINK4 = Link("NVLink 4 (intra-node)", alpha_s=3e-6, bandwidth_Bps=450e9)
-IB_NDR400 = Link("InfiniBand NDR 400 Gb/s (inter-node)", alpha_s=10e-6, bandwidth_Bps=50e9)
-H100_CLUSTER = Cluster("8x H100 SXM nodes", gpus_per_node=8, intra=NVLINK4, inter=IB_NDR400,
-                       peak_flops=989e12, mfu=0.4)
+    @property
+    def network_Bps(self) -> float:
+        """One node's bandwidth to the network, every NIC together, one direction."""
+        return self.nics_per_node * self.nic.bandwidth_Bps
 
 
-# ------------------------------------------------------------------ collectives (ring, alpha-beta)
+# Efficiencies, the two constants fitted to nothing in the comparison table:
+# - NVLink: "Each NVLink has a line rate of 25GB/s (in each direction) which converts to ~20GB/s
+#   effective bandwidth with a 128B payload size" (S. Jeaugey, NCCL's maintainer, NVIDIA/nccl-tests
+#   issue 149, 2023): 20 / 25.
+# - network: "For NDR @ 400Gbps you should see 46-48GB/s per NIC" (D. Addison, NVIDIA,
+#   NVIDIA/nccl-tests issue 290, 2025): 47 / 50.
+NVLINK_EFFICIENCY = 20 / 25
+NIC_EFFICIENCY = 47 / 50
+# Latencies: NCCL 2.30's tuning model (src/graph/tuning.cc, ncclTunerConstantsDefaults, bulk
+# "Simple" protocol): 8.4 us per collective call, 3.4 us per ring step over NVLink, 14 us per
+# step over the network. They matter only for messages below a few megabytes.
+NCCL_BASE_LATENCY_S = 8.4e-6
+NVLINK_ALPHA_S, NETWORK_ALPHA_S = 3.4e-6, 14e-6
+
+# Links, line rates from the datasheets, one direction per GPU or per card:
+# NVLink 4 on H100 SXM: 900 GB/s both directions (NVIDIA H100 datasheet); NVLink 3 on A100 SXM:
+# 12 links of 25 GB/s; NVLink 2 on V100 SXM: 6 links of 25 GB/s (the ZeRO paper's "300GB/sec"
+# counts both directions). NICs: 400 Gb/s NDR (DGX H100), 200 Gb/s HDR (DGX A100), 100 Gb/s EDR
+# (DGX-2, the ZeRO paper's "12.5 GB/sec per link").
+NVLINK4 = Link("NVLink 4 (H100)", 450e9, NVLINK_EFFICIENCY, NVLINK_ALPHA_S)
+NVLINK3 = Link("NVLink 3 (A100)", 300e9, NVLINK_EFFICIENCY, NVLINK_ALPHA_S)
+NVLINK2 = Link("NVLink 2 (V100)", 150e9, NVLINK_EFFICIENCY, NVLINK_ALPHA_S)
+IB_NDR400 = Link("InfiniBand NDR 400 Gb/s", 50e9, NIC_EFFICIENCY, NETWORK_ALPHA_S)
+IB_HDR200 = Link("InfiniBand HDR 200 Gb/s", 25e9, NIC_EFFICIENCY, NETWORK_ALPHA_S)
+IB_EDR100 = Link("InfiniBand EDR 100 Gb/s", 12.5e9, NIC_EFFICIENCY, NETWORK_ALPHA_S)
+
+# H100 = 989e12: the H100 SXM datasheet's dense bf16 Tensor Core peak (1,979 is with 2:4 sparsity).
+H100_PEAK_FLOPS, A100_PEAK_FLOPS, V100_PEAK_FLOPS = 989e12, 312e12, 125e12
+
+# DGX H100 (DGX H100 user guide): 8 H100 SXM on NVSwitch, eight 400 Gb/s ConnectX-7 cards.
+# MFU 40%: Llama 3 405B pre-training on 8,192 to 16,384 H100s reports 38 to 43% ("The Llama 3
+# Herd of Models", Table 4), all parallelisms and their communication included.
+H100_CLUSTER = Cluster("DGX H100", gpus_per_node=8, nvlink=NVLINK4, nic=IB_NDR400, nics_per_node=8,
+                       peak_flops=H100_PEAK_FLOPS, mfu=0.40)
+# DGX A100: 8 A100 SXM on NVSwitch, eight 200 Gb/s HDR cards. No MFU figure is used for it here.
+A100_CLUSTER = Cluster("DGX A100", gpus_per_node=8, nvlink=NVLINK3, nic=IB_HDR200, nics_per_node=8,
+                       peak_flops=A100_PEAK_FLOPS, mfu=float("nan"))
+# The ZeRO paper's cluster: 25 DGX-2 nodes of 16 V100s on NVSwitch, "800 Gbps internode" (eight
+# 100 Gb/s EDR cards). Compute: 39 TFLOP/s, Megatron-LM's single-V100 baseline ("a strong single
+# GPU baseline that sustains 39 TeraFLOPs", Shoeybi et al. 2019), of the V100's 125 peak.
+V100_DGX2_CLUSTER = Cluster("DGX-2 (V100)", gpus_per_node=16, nvlink=NVLINK2, nic=IB_EDR100, nics_per_node=8,
+                            peak_flops=V100_PEAK_FLOPS, mfu=39e12 / V100_PEAK_FLOPS)
+
+
+def with_nics(cluster: Cluster, nics_per_node: int) -> Cluster:
+    """The same cluster with fewer (or more) network cards per node: ZeRO++'s 4-card and 1-card runs."""
+    return replace(cluster, name=f"{cluster.name}, {nics_per_node} NIC{'s' if nics_per_node > 1 else ''} per node",
+                   nics_per_node=nics_per_node)
+
+
+def delivered_bandwidths(cluster: Cluster) -> dict:
+    """Bytes per second NCCL gets, one direction: each GPU's NVLink, one network card, and a node's
+    cards together (what the chapters quote; the times themselves come from collective_cost)."""
+    return {"nvlink": cluster.nvlink.bandwidth_Bps, "nic": cluster.nic.bandwidth_Bps, "node_network": cluster.network_Bps}
+
+
+def assumption_rows(cluster: Cluster) -> list[tuple[str, str]]:
+    """(what, value) for each hardware figure a cluster's estimates rest on, for the chapters' tables."""
+    def link(lk: Link) -> str:
+        return (f"{lk.name}: {lk.line_rate_Bps / 1e9:g} GB/s line rate x {lk.efficiency:.2f} = "
+                f"{lk.bandwidth_Bps / 1e9:.0f} GB/s each way, {lk.alpha_s * 1e6:g} µs per ring step")
+    return [("GPUs per node", f"{cluster.gpus_per_node}"),
+            ("each GPU's NVLink", link(cluster.nvlink)),
+            ("each network card", link(cluster.nic)),
+            ("network cards per node", f"{cluster.nics_per_node}: {cluster.network_Bps / 1e9:.0f} GB/s per node each way"),
+            ("latency of a collective call", f"{cluster.base_latency_s * 1e6:g} µs"),
+            ("compute", f"{cluster.peak_flops / 1e12:g} TFLOP/s peak at {cluster.mfu:.0%} MFU = "
+                        f"{cluster.achieved_flops / 1e12:.1f} TFLOP/s per GPU")]
+
+
+# ------------------------------------------------------------------ bytes of one collective
 def _check_kind(kind: str) -> None:
     if kind not in KINDS:
         raise ValueError(f"unknown collective {kind!r}; choose one of {KINDS}")
 
 
 def ring_steps(kind: str, n: int) -> int:
-    """Latency-bound steps of the ring: N-1, or 2(N-1) for an all-reduce."""
+    """Latency-bound steps of the ring: N-1, or 2(N-1) for an all-reduce (all-to-all: N-1 pairs)."""
     _check_kind(kind)
     return 2 * (n - 1) if kind == "all_reduce" else n - 1
 
 
 def wire_factor(kind: str, n: int) -> float:
-    """Bytes one rank sends, as a fraction of the full tensor S: (N-1)/N, twice for all-reduce."""
-    _check_kind(kind)
+    """Bytes one rank sends, as a fraction of the full tensor S: (N-1)/N, twice for all-reduce.
+
+    For an all-to-all S is one rank's whole send buffer, of which it keeps 1/N."""
     return ring_steps(kind, n) / n
 
 
 def wire_bytes(kind: str, nbytes: float, n: int) -> float:
-    """Bytes one rank sends in the ring algorithm; nbytes is S, the FULL (unsharded) tensor."""
+    """Bytes one rank sends; nbytes is S, the FULL (unsharded) tensor."""
     return wire_factor(kind, n) * nbytes
-
-
-def collective_seconds(kind: str, nbytes: float, n: int, link: Link) -> float:
-    """Time of one ring collective over `link`: steps * alpha + per-rank wire bytes / bandwidth.
-
-    Each step sends S/N bytes; charging alpha per step and the bytes at the link's bandwidth is
-    the alpha-beta model applied to the ring. One rank (n == 1) moves nothing and takes no time.
-    """
-    if n < 1:
-        raise ValueError(f"n must be at least 1, got {n}")
-    if n == 1:
-        _check_kind(kind)
-        return 0.0
-    return ring_steps(kind, n) * link.alpha_s + wire_bytes(kind, nbytes, n) / link.bandwidth_Bps
 
 
 def algorithm_bandwidth(nbytes: float, seconds: float) -> float:
@@ -137,21 +200,118 @@ def bus_bandwidth(kind: str, nbytes: float, n: int, seconds: float) -> float:
     """The algorithm bandwidth times the ring's wire factor (nccl-tests' "busbw").
 
     2(N-1)/N for all-reduce, (N-1)/N for reduce-scatter and all-gather, as defined in
-    NVIDIA/nccl-tests doc/PERFORMANCE.md: the bytes each rank really moved per second, which
-    can be compared with the link's bandwidth whatever N is.
+    NVIDIA/nccl-tests doc/PERFORMANCE.md: the bytes each rank moved per second, which can be
+    compared with the link's bandwidth whatever N is.
     """
     return algorithm_bandwidth(nbytes, seconds) * wire_factor(kind, n)
 
 
-def bottleneck_link(n: int, cluster: Cluster) -> Link:
-    """The link a ring of n GPUs is limited by: NVLink within one node, the network beyond.
+# ------------------------------------------------------------------ time of one collective
+@dataclass(frozen=True)
+class Cost:
+    """One collective on one group, as the model sees it.
 
-    A flat ring over several nodes goes as fast as its slowest hop, the one between nodes.
-    (NCCL runs several rings at once and spreads their node-crossing hops over all of a node's
-    network cards, so each GPU's share of the network is about one card: the per-rank
-    inter-node bandwidth is one NIC's.)
+    nvlink_bytes: what ONE GPU sends over its NVLink; network_bytes: what ONE node sends to the
+    network for this group (the sum over its ranks in the group). nvlink_s and network_s: those
+    bytes over the bandwidth they get. The two links work at the same time.
     """
-    return cluster.intra if n <= cluster.gpus_per_node else cluster.inter
+
+    kind: str
+    algorithm: str
+    latency_s: float
+    nvlink_bytes: float
+    network_bytes: float
+    nvlink_s: float
+    network_s: float
+
+    @property
+    def bandwidth_s(self) -> float:
+        return max(self.nvlink_s, self.network_s)
+
+    @property
+    def seconds(self) -> float:
+        return self.latency_s + self.bandwidth_s
+
+    @property
+    def bound_by(self) -> str:
+        """'network', 'NVLink' or 'latency': the largest of the three terms."""
+        return max((self.network_s, "network"), (self.nvlink_s, "NVLink"), (self.latency_s, "latency"))[1]
+
+
+def _layout(n: int, cluster: Cluster, ranks_per_node: int | None) -> tuple[int, int]:
+    """(ranks of the group per node, nodes): packed into full nodes unless told otherwise."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    r = min(n, cluster.gpus_per_node) if ranks_per_node is None else ranks_per_node
+    if not 1 <= r <= cluster.gpus_per_node or n % r:
+        raise ValueError(f"ranks_per_node={r} must divide n={n} and be at most {cluster.gpus_per_node}")
+    return r, n // r
+
+
+def _latency(kind: str, algorithm: str, n: int, r: int, nodes: int, cluster: Cluster) -> float:
+    """NCCL's latency model (tuning.cc): a fixed cost per call plus one per step, the network's
+    for the steps that cross nodes and NVLink's for the others."""
+    a_nv, a_net = cluster.nvlink.alpha_s, cluster.nic.alpha_s
+    if kind == "all_to_all":                   # every pair at once: one step, over the slowest link
+        return cluster.base_latency_s + (a_net if nodes > 1 else a_nv)
+    if algorithm == "tree":                    # up the tree and down: a chain in the node, log2 across
+        return cluster.base_latency_s + 2 * ((r - 1) * a_nv + int(math.log2(nodes)) * a_net)
+    steps = ring_steps(kind, n)
+    crossing = 0 if nodes == 1 else (2 * (nodes - 1) if kind == "all_reduce" else nodes - 1)
+    return cluster.base_latency_s + (steps - crossing) * a_nv + crossing * a_net
+
+
+def collective_cost(kind: str, nbytes: float, n: int, cluster: Cluster, *, ranks_per_node: int | None = None,
+                    algorithm: str = "auto") -> Cost:
+    """Latency and bandwidth terms of one collective of S = nbytes over n ranks.
+
+    ranks_per_node: how many of the group's ranks share a node (default: packed, min(n, gpus per
+    node)). A group with fewer ranks per node than the node's GPUs shares the node's network
+    cards with the other groups like it that run at the same time (HSDP's and hpZ's groups do):
+    it gets ranks_per_node / gpus_per_node of them.
+    algorithm: "ring", "tree" (all-reduce only) or "auto", the faster of the two as NCCL picks.
+    """
+    _check_kind(kind)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+    r, nodes = _layout(n, cluster, ranks_per_node)
+    if n == 1:
+        return Cost(kind, "none", 0.0, 0.0, 0.0, 0.0, 0.0)
+    if algorithm == "auto":
+        choices = ("ring", "tree") if kind == "all_reduce" and nodes > 1 else ("ring",)
+        return min((collective_cost(kind, nbytes, n, cluster, ranks_per_node=r, algorithm=a) for a in choices),
+                   key=lambda c: c.seconds)
+    if algorithm == "tree" and kind != "all_reduce":
+        raise ValueError("NCCL's tree algorithm is an all-reduce; reduce-scatter and all-gather use rings")
+    sent = wire_bytes(kind, nbytes, n)                       # per rank
+    if nodes == 1:
+        nvlink_bytes, network_bytes = sent, 0.0
+    elif kind == "all_to_all":                               # each peer gets its own piece
+        nvlink_bytes = (r - 1) / n * nbytes
+        network_bytes = r * (n - r) / n * nbytes
+    else:                                                    # each ring leaves the node once
+        nvlink_bytes = (r - 1) / r * sent
+        network_bytes = sent
+    network_share = cluster.network_Bps * r / cluster.gpus_per_node
+    return Cost(kind, algorithm, _latency(kind, algorithm, n, r, nodes, cluster), nvlink_bytes, network_bytes,
+                nvlink_bytes / cluster.nvlink.bandwidth_Bps, network_bytes / network_share)
+
+
+def collective_seconds(kind: str, nbytes: float, n: int, cluster: Cluster, *, ranks_per_node: int | None = None,
+                       algorithm: str = "auto") -> float:
+    """Seconds of one collective: latency + the slower of the NVLink and network terms."""
+    return collective_cost(kind, nbytes, n, cluster, ranks_per_node=ranks_per_node, algorithm=algorithm).seconds
+
+
+def ring_bus_bandwidth(n: int, cluster: Cluster, ranks_per_node: int | None = None) -> float:
+    """The bus bandwidth a ring reaches for large messages (latency negligible): the NVLink's
+    inside one node; across nodes the smaller of the node's network share and NVLink's rate
+    scaled up by r/(r-1) (each GPU sends only (r-1)/r of its bytes over NVLink)."""
+    r, nodes = _layout(n, cluster, ranks_per_node)
+    if nodes == 1:
+        return cluster.nvlink.bandwidth_Bps
+    network = cluster.network_Bps * r / cluster.gpus_per_node
+    return network if r == 1 else min(network, cluster.nvlink.bandwidth_Bps * r / (r - 1))
 
 
 # ------------------------------------------------------------------ one training step
@@ -183,71 +343,108 @@ class StepEstimate:
 FORWARD_SHARE, BACKWARD_SHARE = 1 / 3, 2 / 3
 
 
-def step_collectives(stage: int, psi: float, bytes_per_element: int = 2) -> list:
-    """The collectives of one step as (kind, full-tensor bytes, pass it can overlap with).
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a step: kind, S (nbytes, the full tensor), its group (n ranks,
+    ranks_per_node of them per node: None packs them into full nodes) and the pass it can overlap
+    ("forward", "backward", or "after_step", where no compute is left to hide it)."""
+
+    kind: str
+    nbytes: float
+    n: int
+    phase: str
+    ranks_per_node: int | None = None
+
+    def cost(self, cluster: Cluster) -> Cost:
+        return collective_cost(self.kind, self.nbytes, self.n, cluster, ranks_per_node=self.ranks_per_node)
+
+
+PHASES = ("forward", "backward", "after_step")
+
+
+def step_collectives(stage: int, psi: float, n: int, bytes_per_element: float = 2) -> list:
+    """The collectives of one data-parallel step over n ranks.
 
     stage 0 (DDP): the gradients are all-reduced during backward, bucket by bucket.
     stages 1 and 2: the same bytes split in two (ZeRO paper, section 7): the gradients are
         reduce-scattered during backward, and the updated parameters all-gathered after the
         optimizer step, where no compute is left to hide them ("after_step"): so do zerolab
         and DeepSpeed. (PyTorch FSDP's SHARD_GRAD_OP gathers in the next forward instead,
-        where it can overlap: count it as "forward" to model that.)
+        where it can overlap.)
     stage 3: parameters are all-gathered before each unit's forward and again before its
         backward, and gradients reduce-scattered during backward: 3 Psi instead of 2 Psi.
     """
     s = psi * bytes_per_element
     if stage == 0:
-        return [("all_reduce", s, "backward")]
+        return [Collective("all_reduce", s, n, "backward")]
     if stage in (1, 2):
-        return [("reduce_scatter", s, "backward"), ("all_gather", s, "after_step")]
+        return [Collective("reduce_scatter", s, n, "backward"), Collective("all_gather", s, n, "after_step")]
     if stage == 3:
-        return [("all_gather", s, "forward"), ("all_gather", s, "backward"),
-                ("reduce_scatter", s, "backward")]
+        return [Collective("all_gather", s, n, "forward"), Collective("all_gather", s, n, "backward"),
+                Collective("reduce_scatter", s, n, "backward")]
     raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {stage}")
 
 
-def step_estimate(stage: int, psi: float, n: int, tokens_per_rank: float, cluster: Cluster,
-                  bytes_per_element: int = 2) -> StepEstimate:
-    """Compute, communication and exposed communication of one step of a psi-parameter model.
+def busy_by_phase(collectives, cluster: Cluster) -> dict:
+    """Seconds of communication in each pass: the collectives of a pass run one after another."""
+    busy = dict.fromkeys(PHASES, 0.0)
+    for c in collectives:
+        busy[c.phase] += c.cost(cluster).seconds
+    return busy
 
-    compute_s = 6 * psi * tokens_per_rank / (peak_flops * mfu): the usual count for a dense
-    transformer (attention's extra FLOPs and activation recomputation are left out).
 
-    comm_s: the step's collectives (step_collectives) over the ring's bottleneck link, with
-    bytes_per_element for the communicated gradients and parameters (2: bf16).
+def compute_seconds(psi: float, tokens_per_rank: float, cluster: Cluster) -> float:
+    """6 * psi * tokens at the cluster's achieved FLOP/s: the usual count for a dense transformer
+    (attention's extra FLOPs and activation recomputation are left out, as MFU leaves them out)."""
+    return 6 * psi * tokens_per_rank / cluster.achieved_flops
 
-    exposed_s: each pass hides at most its own compute time: collectives tied to the forward
+
+def estimate(collectives, compute_s: float, cluster: Cluster, overlap: bool = True) -> StepEstimate:
+    """Compute, communication and exposed communication of a step with these collectives.
+
+    With overlap, each pass hides at most its own compute time: collectives tied to the forward
     overlap the forward (a third of the compute), those tied to the backward overlap the
-    backward (two thirds); the all-gather after the optimizer step is exposed whole. This is a
-    lower bound: the last bucket's all-reduce and the first unit's all-gather cannot overlap
-    anything, and overlapped NCCL kernels slow the compute beside them (they take SMs and
-    memory bandwidth).
+    backward (two thirds); what runs after the optimizer step is exposed whole. This is a lower
+    bound: the last bucket's all-reduce and the first unit's all-gather cannot overlap anything,
+    and overlapped NCCL kernels slow the compute beside them. overlap=False gives the upper
+    bound: nothing hidden.
     """
-    compute = 6 * psi * tokens_per_rank / cluster.achieved_flops
-    link = bottleneck_link(n, cluster)
-    budget = {"forward": FORWARD_SHARE * compute, "backward": BACKWARD_SHARE * compute,
-              "after_step": 0.0}
-    busy = {phase: 0.0 for phase in budget}
-    for kind, nbytes, phase in step_collectives(stage, psi, bytes_per_element):
-        busy[phase] += collective_seconds(kind, nbytes, n, link)
+    busy = busy_by_phase(collectives, cluster)
     comm = sum(busy.values())
-    exposed = sum(max(0.0, busy[phase] - budget[phase]) for phase in budget)
-    return StepEstimate(compute_s=compute, comm_s=comm, exposed_s=exposed)
+    if not overlap:
+        return StepEstimate(compute_s=compute_s, comm_s=comm, exposed_s=comm)
+    budget = {"forward": FORWARD_SHARE * compute_s, "backward": BACKWARD_SHARE * compute_s, "after_step": 0.0}
+    exposed = sum(max(0.0, busy[phase] - budget[phase]) for phase in PHASES)
+    return StepEstimate(compute_s=compute_s, comm_s=comm, exposed_s=exposed)
 
 
-def min_tokens_to_hide(stage: int, psi: float, n: int, cluster: Cluster,
-                       bytes_per_element: int = 2) -> float:
+def step_estimate(stage: int, psi: float, n: int, tokens_per_rank: float, cluster: Cluster,
+                  bytes_per_element: float = 2, *, overlap: bool = True) -> StepEstimate:
+    """One data-parallel step of a psi-parameter model on n GPUs: estimate() of step_collectives,
+    with bytes_per_element for the communicated gradients and parameters (2: bf16)."""
+    return estimate(step_collectives(stage, psi, n, bytes_per_element),
+                    compute_seconds(psi, tokens_per_rank, cluster), cluster, overlap)
+
+
+def min_tokens_to_hide(stage: int, psi: float, n: int, cluster: Cluster, bytes_per_element: float = 2) -> float:
     """Tokens per rank per step above which the overlappable communication is fully hidden.
 
     Compute grows with the tokens, communication does not: solve busy[phase] = share * compute
     for the binding pass. The all-gather after a ZeRO-1/2 step is never hidden, whatever the
     batch; it is left out here.
     """
-    per_token = 6 * psi / cluster.achieved_flops           # compute seconds per token
-    link = bottleneck_link(n, cluster)
-    busy = {"forward": 0.0, "backward": 0.0}
-    for kind, nbytes, phase in step_collectives(stage, psi, bytes_per_element):
-        if phase in busy:
-            busy[phase] += collective_seconds(kind, nbytes, n, link)
+    per_token = compute_seconds(psi, 1, cluster)
+    busy = busy_by_phase(step_collectives(stage, psi, n, bytes_per_element), cluster)
     share = {"forward": FORWARD_SHARE, "backward": BACKWARD_SHARE}
-    return max(busy[p] / (share[p] * per_token) for p in busy)
+    return max(busy[p] / (share[p] * per_token) for p in share)
+
+
+def hide_threshold_tokens(n: int, cluster: Cluster, bytes_per_element: float = 2) -> float:
+    """min_tokens_to_hide without latency, in closed form: T = (N-1)/N * F * b / (2 B).
+
+    A ring collective of the 2-byte parameters sends (N-1)/N * 2 Psi bytes at the bus bandwidth B
+    (ring_bus_bandwidth); the forward computes 2 Psi FLOPs per token (a third of 6 Psi) at F. They
+    are equal at this T, whatever Psi. The backward has twice the bytes against twice the compute,
+    the same T; and so does DDP's all-reduce against the backward.
+    """
+    return (n - 1) / n * cluster.achieved_flops * bytes_per_element / (2 * ring_bus_bandwidth(n, cluster))

@@ -26,29 +26,32 @@ def message_sizes(lo: float = 1e3, hi: float = 1e10, per_decade: int = 4) -> lis
 def collective_times_figure(cluster: cm.Cluster = cm.H100_CLUSTER, intra_ns=(2, 4, 8),
                             inter_ns=(16, 64, 512)):
     """Four panels: time (top) and bus bandwidth (bottom) against message size S, inside one
-    node (left, NVLink) and across nodes (right, one NIC per GPU). Solid: all-reduce; dashed:
-    reduce-scatter and all-gather, which the model gives the same time."""
+    node (left, NVLink) and across nodes (right, NVLink and the nodes' network cards). Solid:
+    all-reduce (NCCL's faster of ring and tree); dashed: reduce-scatter and all-gather (rings),
+    which the model gives the same bandwidth term. The dotted line is the ring's bus bandwidth
+    for large messages (cost_model.ring_bus_bandwidth)."""
     import matplotlib.pyplot as plt
 
     sizes = message_sizes()
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.4), sharex=True)
-    for col, (ns, link) in enumerate([(intra_ns, cluster.intra), (inter_ns, cluster.inter)]):
+    for col, (ns, title) in enumerate([(intra_ns, f"inside one node: {cluster.nvlink.name}"),
+                                       (inter_ns, f"across nodes: NVLink + {cluster.nics_per_node} x {cluster.nic.name}")]):
         top, bottom = axes[0][col], axes[1][col]
         for color, n in zip(COLORS, ns):
             for kind, style in (("all_reduce", "-"), ("reduce_scatter", "--")):
-                t = [cm.collective_seconds(kind, s, n, link) for s in sizes]
+                t = [cm.collective_seconds(kind, s, n, cluster) for s in sizes]
                 label = f"N={n} " + ("all-reduce" if kind == "all_reduce" else "reduce-scatter / all-gather")
                 top.plot(sizes, t, style, color=color, label=label)
                 bottom.plot(sizes, [cm.bus_bandwidth(kind, s, n, x) / 1e9 for s, x in zip(sizes, t)],
                             style, color=color)
-        bottom.axhline(link.bandwidth_Bps / 1e9, color="black", linewidth=0.8, linestyle=":")
-        bottom.text(sizes[0], link.bandwidth_Bps / 1e9 * 1.08, "link bandwidth", fontsize=8)
-        top.set_title(f"{link.name}: alpha {link.alpha_s * 1e6:g} µs, "
-                      f"{link.bandwidth_Bps / 1e9:g} GB/s per direction", fontsize=9)
+        limit = cm.ring_bus_bandwidth(ns[-1], cluster) / 1e9
+        bottom.axhline(limit, color="black", linewidth=0.8, linestyle=":")
+        bottom.text(sizes[0], limit * 1.05, f"ring's bus bandwidth, {limit:.0f} GB/s", fontsize=8)
+        top.set_title(title, fontsize=9)
         top.set_yscale("log")
         top.set_ylabel("time (s)")
         bottom.set_ylabel("bus bandwidth (GB/s)")
-        bottom.set_ylim(0, link.bandwidth_Bps / 1e9 * 1.25)
+        bottom.set_ylim(0, limit * 1.25)
         for ax in (top, bottom):
             ax.set_xscale("log")
             ax.grid(True, which="major", alpha=0.3)
@@ -94,8 +97,8 @@ def ddp_overlap_rows(psi: float, ns, tokens_per_rank: float, cluster: cm.Cluster
     rows = []
     for n in ns:
         est = cm.step_estimate(0, psi, n, tokens_per_rank, cluster, bytes_per_element)
-        link = cm.bottleneck_link(n, cluster)
-        rows.append({"n": n, "link": "NVLink (one node)" if link is cluster.intra else "InfiniBand (across nodes)",
+        nodes = -(-n // cluster.gpus_per_node)
+        rows.append({"n": n, "link": "NVLink (one node)" if nodes == 1 else f"NVLink + network ({nodes} nodes)",
                      "all_reduce_ms": est.comm_s * 1e3,
                      "backward_ms": cm.BACKWARD_SHARE * est.compute_s * 1e3,
                      "exposed_ms": est.exposed_s * 1e3,

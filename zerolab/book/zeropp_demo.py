@@ -197,22 +197,46 @@ def mean_loss(res, option):
     return np.mean([r["loss"][option] for r in res], axis=0)
 
 
-# ------------------------------------------------------------------ the cost model
+# ------------------------------------------------------------------ the collectives, for the cost model
 
 
-def comm_seconds(option, psi, n, cluster=cm.H100_CLUSTER, b=2):
-    """{'intra': s, 'inter': s}: seconds one node needs to send a step's bytes over each link
-    class, for a psi-parameter model on n GPUs in nodes of cluster.gpus_per_node.
+def option_collectives(option, psi, n, g, b=2):
+    """The collectives one step of `option` runs for a psi-parameter model taken as one unit,
+    on n GPUs in nodes of g, as zerolab.cost_model.Collective records the cost model times.
 
-    The bytes are closed_form's (per node per step, b bytes per element); each GPU has its own
-    network card and its own NVLink ports, so a node moves g * bandwidth per second on each
-    class, as NCCL's parallel rings (one per card) let it. Latency is left out (large messages).
-    Chapter 4's bottleneck_link charges a single ring instead, whose node-crossing rank sends
-    everything through one card: g times slower for rings that span nodes."""
-    g = cluster.gpus_per_node
-    inter, intra = closed_form(option, b, [int(psi)], n=n, g=g)
-    return {"intra": intra / (g * cluster.intra.bandwidth_Bps), "inter": inter / (g * cluster.inter.bandwidth_Bps),
-            "bytes_intra": intra, "bytes_inter": inter}
+    The same groups and payloads as closed_form (tests/test_cost_model.py checks that the bytes
+    the cost model books per node are closed_form's): world rings of P b bytes, qwZ's of int8
+    codes, hpZ's backward gather over the node's g ranks, qgZ's two all-to-alls of int4 codes
+    (inside the node, then over the m nodes with one rank per node: g such groups share a node's
+    network cards), and HSDP's rings inside the node plus an all-reduce of the 1/g shard across.
+    """
+    m = n // g
+    P = _pad(int(psi), n)
+    s = P // n
+    world = lambda kind, nbytes, phase: cm.Collective(kind, nbytes, n, phase)          # noqa: E731
+    full, q8 = P * b, n * qz.wire_bytes(s, 8, WEIGHT_BLOCK)
+    fwd = world("all_gather", q8 if option in ("qwZ", "qwZ+hpZ+qgZ") else full, "forward")
+    if option in ("hpZ", "qwZ+hpZ+qgZ"):
+        bwd = cm.Collective("all_gather", full, g, "backward", ranks_per_node=g)
+    else:
+        bwd = world("all_gather", fwd.nbytes, "backward")
+    if option in ("qgZ", "qwZ+hpZ+qgZ"):
+        red = [cm.Collective("all_to_all", g * qz.wire_bytes(m * s, 4, GRAD_BLOCK), g, "backward", ranks_per_node=g),
+               cm.Collective("all_to_all", m * qz.wire_bytes(s, 4, GRAD_BLOCK), m, "backward", ranks_per_node=1)]
+    else:
+        red = [world("reduce_scatter", full, "backward")]
+    if option == "HSDP":
+        Pg = _pad(int(psi), g) * b
+        node = lambda kind, phase: cm.Collective(kind, Pg, g, phase, ranks_per_node=g)   # noqa: E731
+        return [node("all_gather", "forward"), node("all_gather", "backward"), node("reduce_scatter", "backward"),
+                cm.Collective("all_reduce", Pg // g, m, "backward", ranks_per_node=1)]
+    return [fwd, bwd, *red]
+
+
+def option_costs(psi, n, cluster, b=2):
+    """{option: [cost_model.Cost of each collective]} for a psi-parameter model on n GPUs."""
+    return {name: [c.cost(cluster) for c in option_collectives(name, psi, n, cluster.gpus_per_node, b)]
+            for name in OPTIONS}
 
 
 # ------------------------------------------------------------------ figures
@@ -331,22 +355,29 @@ def loss_figure(curves, reference, window=15):
     return fig
 
 
-def cost_figure(times, compute_s):
-    """Seconds of communication per step per option, inside nodes and across them (cost model),
-    beside the step's compute."""
+def cost_figure(panels):
+    """One panel per cluster, panels = [(title, {option: [cost_model.Cost]}, compute_s)]: seconds of
+    communication per step per option, each collective a block coloured by what bounds it (the
+    network, NVLink, or latency), beside the step's compute (dotted)."""
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 2.9))
-    names = list(times)
-    y = np.arange(len(names))
-    inter = np.array([times[k]["inter"] for k in names]) * 1e3
-    intra = np.array([times[k]["intra"] for k in names]) * 1e3
-    ax.barh(y, inter, color=INTER_COLOR, label="across nodes (InfiniBand)")
-    ax.barh(y, intra, left=inter, color=INTRA_COLOR, alpha=0.6, label="inside a node (NVLink)")
-    ax.axvline(compute_s * 1e3, color="black", ls=":", lw=1)
-    ax.text(compute_s * 1e3, -0.6, " compute", fontsize=7, va="bottom")
-    ax.set_yticks(y, names)
-    ax.invert_yaxis()
-    ax.set_xlabel("ms per step to move one node's bytes")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    colors = {"network": INTER_COLOR, "NVLink": INTRA_COLOR, "latency": "#7f7f7f"}
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.1), squeeze=False)
+    for ax, (title, costs, compute_s) in zip(axes[0], panels):
+        names = list(costs)
+        for y, name in enumerate(names):
+            left = 0.0
+            for c in costs[name]:
+                ax.barh(y, c.seconds * 1e3, left=left, color=colors[c.bound_by], edgecolor="white", lw=0.6,
+                        alpha=1.0 if c.bound_by == "network" else 0.6)
+                left += c.seconds * 1e3
+        ax.axvline(compute_s * 1e3, color="black", ls=":", lw=1)
+        ax.text(compute_s * 1e3, len(names) - 0.4, " compute", fontsize=7, va="bottom")
+        ax.set_yticks(range(len(names)), names if ax is axes[0][0] else [""] * len(names))
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=8)
+        ax.set_xlabel("ms per step, one block per collective", fontsize=8)
+    from matplotlib.patches import Patch
+    axes[0][-1].legend(handles=[Patch(color=color, alpha=1.0 if label == "network" else 0.6, label=f"bound by {label}")
+                                for label, color in colors.items()], fontsize=7, loc="lower right")
     fig.tight_layout()
     return fig
