@@ -234,3 +234,37 @@ def run_memory_many(configs, size: str = "nano"):
 def run_grad_timelines(size: str = "tiny", bucket_mb: float = 0.05):
     """run_grad_timeline for stage 1 and stage 2 in one launch."""
     return {stage: run_grad_timeline(stage, size, bucket_mb) for stage in (1, 2)}
+
+
+def run_optimizer_half(steps: int = 3, size: str = "nano"):
+    """Under PyTorch's own DistributedDataParallel, the same GPT trained with a plain AdamW,
+    with PyTorch's ZeroRedundancyOptimizer and with zl.ShardedOptimizer (ZeRO-1's optimizer half):
+    this rank's final weights and the bytes of optimizer state it holds with each."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+    from ..sharded_optimizer import ShardedOptimizer
+    data = CharDataset(32)
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for kind in ("AdamW", "ZeroRedundancyOptimizer", "zl.ShardedOptimizer"):
+        model = _gpt(size)
+        ddp = DistributedDataParallel(model)
+        if kind == "AdamW":
+            opt = OPT(model.parameters())
+        else:
+            cls = ZeroRedundancyOptimizer if kind == "ZeroRedundancyOptimizer" else ShardedOptimizer
+            opt = cls(model.parameters(), torch.optim.AdamW, **OPT.keywords)
+        for s in range(steps):
+            gpt_loss(ddp, data.batch(s, 2, r, n))[1].backward()
+            opt.step()
+            opt.zero_grad()
+        inner = opt if kind == "AdamW" else opt.optim
+        moments = [t for t in optimizer_tensors(inner) if t.dim() > 0]     # (not the step counters)
+        out[kind] = {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                     "state_bytes": live_bytes(moments)}
+        if kind == "zl.ShardedOptimizer":
+            out["padded"] = sum(b.padded_numel for b in opt.buckets)
+            out["gathered"] = opt.comm.bytes("all_gather") // steps
+    out["psi"] = num_params(model, trainable_only=True)
+    return out
