@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
+from zerolab.bench import make_zerolab
 from zerolab.data import CharDataset
 from zerolab.models import GPT, GPTConfig, gpt_config, gpt_loss
 
@@ -34,14 +35,9 @@ def backend_name() -> str:
 
 
 def make_engine(name, model, precision, bucket_mb, track_peak=False, **kw):
-    if name == "zl.DDP":
-        return zl.DDP(model, OPT, precision=precision, bucket_mb=bucket_mb, track_peak=track_peak, **kw)
-    if name == "zl.SingleProcess":
-        return zl.SingleProcess(model, OPT, precision=precision, track_peak=track_peak)
-    stage = int(name.split("-")[1][0])
-    if "prefetch=0" in name:
-        kw["prefetch"] = 0
-    return zl.ZeRO(model, OPT, stage=stage, precision=precision, bucket_mb=bucket_mb, track_peak=track_peak, **kw)
+    """zerolab's engine called `name` in the tables (zerolab.bench.ZEROLAB: the CPU bench's names
+    too), with the parity tests' AdamW."""
+    return make_zerolab(name, model, OPT, precision=precision, bucket_mb=bucket_mb, track_peak=track_peak, **kw)
 
 
 # ------------------------------------------------------------------ parity

@@ -35,7 +35,11 @@ def main(argv=None) -> int:
 
     if argv[:1] == ["bench"] and importlib.util.find_spec("zerolab.bench"):
         from . import bench  # the benchmark parses its own arguments
-        return bench.main(argv[1:])
+
+        def plot(summary, directory):   # --plot: the book's figures (the library never imports the book)
+            from .book.bench_plots import plot_bench
+            return plot_bench(summary, directory)
+        return bench.main(argv[1:], plot=plot)
 
     args = parser.parse_args(argv)
     if args.command == "train":

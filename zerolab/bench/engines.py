@@ -1,0 +1,217 @@
+"""The engines the benchmark compares, each built the way its own users build it.
+
+* zerolab's, by the names the tables print (ZEROLAB: "zl.DDP", "zl.ZeRO-3 prefetch=0", ...), all
+  built by zerolab.engines.make; the GPU scripts (gpu/) use the same names and make_zerolab;
+* PyTorch's DistributedDataParallel, ZeroRedundancyOptimizer beside it, and FSDP2 (fully_shard);
+* DeepSpeed's stages 1-3, when it is installed and starts here.
+
+Each comes as a Runner: a name, a kind (which ZeRO stage it is a peer of), a family, and a
+function that runs one training step.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from ..engines import make
+from ..models import GPT, gpt_config, gpt_loss
+
+KINDS = ("floor", "DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+
+# zerolab's engines by the name the tables print: (zerolab.engines.make's name, its options)
+ZEROLAB = {"zl.SingleProcess": ("single", {}), "zl.DDP": ("ddp", {}), "zl.ZeRO-1": ("zero1", {}),
+           "zl.ZeRO-2": ("zero2", {}), "zl.ZeRO-3": ("zero3", {}), "zl.ZeRO-3 prefetch=0": ("zero3", {"prefetch": 0})}
+
+
+def make_zerolab(name, model, optimizer, **options):
+    """The zerolab engine the tables call `name` (ZEROLAB), built by zerolab.engines.make."""
+    engine, own = ZEROLAB[name]
+    if engine == "single":                  # one process has no buckets to size
+        options.pop("bucket_mb", None)
+    return make(engine, model, optimizer, **{**own, **options})
+
+
+class Runner:
+    """One engine: what it is, and a function that runs one training step (returns the loss)."""
+
+    def __init__(self, name, kind, family, step, comm=None):
+        self.name, self.kind, self.family = name, kind, family
+        self.step, self.comm = step, comm
+
+
+def _zl_runner(name, kind, engine):
+    def step(batch):
+        _, loss = gpt_loss(engine, batch)
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        return loss.item()
+    return Runner(name, kind, "zerolab", step, engine.comm)
+
+
+def _torch_runner(name, kind, family, model, optimizer):
+    def step(batch):
+        _, loss = gpt_loss(model, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.item()
+    return Runner(name, kind, family, step)
+
+
+def deepspeed_config(stage, batch, bucket_mb):
+    """DeepSpeed's config for one stage, with the same bucket size as every other engine.
+
+    zerolab's bucket_mb counts MiB of fp32 (the dtype communicated here); DeepSpeed's bucket
+    sizes count ELEMENTS, and default to 5e8 (reduce_bucket_size, allgather_bucket_size) and 5e7
+    (stage3_prefetch_bucket_size): buffers of gigabytes, sized for GPUs, which would swamp the
+    memory column of a model of a few MB (deepspeed/runtime/zero/config.py).
+    """
+    elements = max(1, int(bucket_mb * 2 ** 20 / 4))
+    zero = {"stage": stage, "reduce_bucket_size": elements}
+    if stage in (1, 2):
+        zero["allgather_bucket_size"] = elements        # the parameter all-gather after the step
+    else:
+        zero["stage3_prefetch_bucket_size"] = elements  # stage 3 gathers by this one instead
+    return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
+            "zero_optimization": zero, "steps_per_print": 10 ** 9, "zero_allow_untested_optimizer": True}
+
+
+def quiet_deepspeed():
+    """DeepSpeed logs to stdout with a timestamp on every line: keep only its errors, so what
+    a run prints is the same from one run to the next."""
+    import logging
+    ds_logger = logging.getLogger("DeepSpeed")
+    ds_logger.setLevel(logging.ERROR)
+    for handler in ds_logger.handlers:
+        handler.setLevel(logging.ERROR)
+
+
+def _deepspeed_factories(make_model, lr, batch, bucket_mb, stages=(1, 2, 3)):
+    """DeepSpeed engines when the package is installed and imports here; else (name, reason)."""
+    try:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+    except Exception as e:  # not installed, or cannot import on this machine
+        return [], f"DeepSpeed: not run ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
+    quiet_deepspeed()
+
+    def make_stage(stage):
+        model = make_model()
+        cfg = deepspeed_config(stage, batch, bucket_mb)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        eng, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+
+        def step(b):
+            _, loss = gpt_loss(eng, b)
+            eng.backward(loss)
+            eng.step()
+            return loss.item()
+        return Runner(f"DeepSpeed ZeRO-{stage}", f"ZeRO-{stage}", "DeepSpeed", step)
+    return [(f"DeepSpeed ZeRO-{s}", partial(make_stage, s)) for s in stages], "DeepSpeed: ran stages " + \
+        ", ".join(str(s) for s in stages) + f" with buckets of {bucket_mb:g} MB like the other engines"
+
+
+def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KINDS, compile_models=False):
+    """[(name, make)] for every engine of the table, and a note on DeepSpeed.
+
+    Each factory builds the engine on its own copy of the same initial model and returns its Runner.
+    The timing phase builds them all; the memory phase builds one at a time, so each one's
+    allocations are counted alone. compile_models: each side's torch.compile, the way its users
+    apply it: zerolab's engines take the model compiled before wrapping (ZeRO-3 then compiles it
+    unit by unit), PyTorch DDP is compiled around the wrapper (its DDPOptimizer splits the graph
+    at the buckets), FSDP2 after fully_shard; DeepSpeed is left out.
+    """
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+    cfg = gpt_config(size)
+    opt = partial(torch.optim.AdamW, lr=lr)
+
+    def make_model():
+        torch.manual_seed(0)
+        return GPT(cfg)
+
+    def compiled(module):
+        return torch.compile(module) if compile_models else module
+
+    def zl_model():
+        return compiled(make_model())
+
+    def floor():
+        # zl.DDP over a data-parallel group of one rank: the same buckets and flat optimizer as
+        # every zerolab engine, nothing sent. No engine does less work, so none can beat it.
+        from .mesh import Mesh
+        alone = Mesh(dp=1, mp=dist.get_world_size())
+        r = _zl_runner("zl.DDP alone", "floor", make_zerolab("zl.DDP", zl_model(), opt, bucket_mb=bucket_mb, mesh=alone,
+                                                     track_peak=False, track_activations=False))
+        r.family = "floor"
+        return r
+
+    def torch_ddp():
+        m = DistributedDataParallel(make_model(), bucket_cap_mb=bucket_mb)
+        return _torch_runner("PyTorch DDP", "DDP", "PyTorch", compiled(m), opt(m.parameters()))
+
+    def zero_redundancy():
+        m = DistributedDataParallel(make_model(), bucket_cap_mb=bucket_mb)
+        zro = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
+        return _torch_runner("ZeroRedundancyOptimizer", "ZeRO-1", "PyTorch", compiled(m), zro)
+
+    def fsdp2(reshard):   # reshard=False keeps parameters gathered from forward to backward
+        from torch.distributed.device_mesh import init_device_mesh
+        m = make_model()
+        # the models here live on the CPU: say so, or FSDP2's default mesh picks CUDA whenever a
+        # GPU exists and sets device `rank` (which fails for rank 1 on a one-GPU box)
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in m.blocks:
+            fully_shard(block, reshard_after_forward=reshard, mesh=mesh)
+        fully_shard(m, reshard_after_forward=reshard, mesh=mesh)
+        return _torch_runner(f"FSDP2 reshard={reshard}", f"ZeRO-{2 if not reshard else 3}", "PyTorch",
+                             compiled(m), opt(m.parameters()))
+
+    def zl_engine(name):
+        kind = "DDP" if name == "zl.DDP" else name[3:9]
+        r = _zl_runner(name, kind, make_zerolab(name, zl_model(), opt, bucket_mb=bucket_mb, track_peak=False))
+        if ZEROLAB[name][1]:
+            r.family = "ablation"   # zerolab with a feature off: compared with zerolab, not peers
+        return r
+
+    out = [("zl.DDP alone", floor)]
+    if "DDP" in kinds:
+        out += [("zl.DDP", partial(zl_engine, "zl.DDP")), ("PyTorch DDP", torch_ddp)]
+    if "ZeRO-1" in kinds:
+        out += [("zl.ZeRO-1", partial(zl_engine, "zl.ZeRO-1")), ("ZeroRedundancyOptimizer", zero_redundancy)]
+    if "ZeRO-2" in kinds:
+        out += [("zl.ZeRO-2", partial(zl_engine, "zl.ZeRO-2")), ("FSDP2 reshard=False", partial(fsdp2, False))]
+    if "ZeRO-3" in kinds:
+        out += [("zl.ZeRO-3", partial(zl_engine, "zl.ZeRO-3")),
+                ("zl.ZeRO-3 prefetch=0", partial(zl_engine, "zl.ZeRO-3 prefetch=0")),
+                ("FSDP2 reshard=True", partial(fsdp2, True))]
+    note = "DeepSpeed: not requested" if not compile_models else "DeepSpeed: left out of the compiled run"
+    if deepspeed and not compile_models:
+        stages = [s for s in (1, 2, 3) if f"ZeRO-{s}" in kinds]
+        ds, note = _deepspeed_factories(make_model, lr, batch, bucket_mb, stages)
+        out += ds
+    return out, note
+
+
+def build_runners(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KINDS, compile_models=False):
+    """Every engine of the table, each on its own copy of the same initial model."""
+    factories, note = engine_factories(size, batch, bucket_mb, lr, deepspeed, kinds, compile_models)
+    runners = []
+    for name, build in factories:
+        if name.startswith("DeepSpeed") and note.startswith("DeepSpeed: not run"):
+            continue
+        try:
+            runners.append(build())
+        except Exception as e:
+            if not name.startswith("DeepSpeed"):
+                raise
+            # DeepSpeed installed but failing to start here: the table goes on without it
+            runners = [r for r in runners if r.family != "DeepSpeed"]
+            note = f"DeepSpeed: not run (initialize failed: {type(e).__name__}: {str(e).splitlines()[0][:80]})"
+    return runners, note
