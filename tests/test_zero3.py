@@ -22,7 +22,7 @@ from zerolab.memory import AllocationTracker, saved_activation_bytes
 from zerolab.models import GPT, AwkwardModel, gpt_config, gpt_loss, regression_loss
 from zerolab.engines.single import SingleProcess
 from zerolab.models import gpt_init
-from zerolab.engines.units import measure_peak
+from zerolab.engines.zero3.units import measure_peak
 from zerolab.engines.zero3 import ZeRO3
 
 STEPS = 3

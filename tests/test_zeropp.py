@@ -148,7 +148,7 @@ def padded(n, k):
 
 def q_bytes(numel, bits):
     """Bytes of `numel` values as codes + one fp32 scale per block: 64 weights (int8), 32
-    gradients (int4), as engines.zeropp chooses (the layout of zerolab.quantize)."""
+    gradients (int4), as engines.zero3.zeropp chooses (the layout of zerolab.quantize)."""
     block = 64 if bits == 8 else 32
     blocks = -(-numel // block)
     return blocks * block * bits // 8 + 4 * blocks

@@ -13,7 +13,7 @@ A checkpoint is a directory:
                                    also holds the buffers; every file holds its rank's step
                                    count, loss scaler, RNG states and your `extra`
     shard-<id>-00000-unit3.master.bin ...   offload="disk" only: the engine's own files, linked
-                                   (zerolab.engines.offload_disk): the .pt file then says where
+                                   (zerolab.engines.offload.disk): the .pt file then says where
                                    each piece's values and state are in them instead of
                                    holding them, so saving and loading never hold the model
 

@@ -15,7 +15,7 @@ from zerolab.memory import AllocationTracker, saved_activation_bytes
 from zerolab.models import GPT, gpt_config, gpt_loss
 from zerolab.engines.single import SingleProcess
 from zerolab.models import gpt_init
-from zerolab.engines.units import measure_peak
+from zerolab.engines.zero3.units import measure_peak
 from zerolab.engines.zero3 import ZeRO3
 
 OPT = partial(torch.optim.AdamW, lr=1e-3, eps=1e-6, weight_decay=0.1)

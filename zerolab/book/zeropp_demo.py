@@ -28,7 +28,7 @@ QW, HP, QG, HSDP = ({"quantize_weights": True}, {"secondary_partition": "node"},
                     {"quantize_gradients": True}, {"shard_group": "node"})
 OPTIONS = {"ZeRO-3": {}, "qwZ": QW, "hpZ": HP, "qgZ": QG, "qwZ+hpZ+qgZ": {**QW, **HP, **QG}, "HSDP": HSDP}
 SMALL_TAGS = ("check", "used", "grad_norm")     # the engine's tiny bookkeeping collectives
-WEIGHT_BLOCK, GRAD_BLOCK = 64, 32                # as zerolab.engines.zeropp chooses
+WEIGHT_BLOCK, GRAD_BLOCK = 64, 32                # as zerolab.engines.zero3.zeropp chooses
 
 
 def model():

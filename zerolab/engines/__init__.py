@@ -4,17 +4,21 @@
 
 Each engine is a small change of the one before it:
 
-    base.Engine         what every engine does the same way (backward, the step template, guards,
-                        full_state_dict, memory_report, checkpoint pieces)
+    base.Engine         what every engine does the same way (forward, backward whoever calls it,
+                        the step template, zero_grad, guards; state.EngineState: what it holds)
     single.SingleProcess    the reference: one process, one model
     naive_ddp.NaiveDDP  all-reduce each gradient after backward
     ddp.DDP             flat buckets, all-reduced while backward runs
     zero1.ZeRO1         DDP, but reduce-scatter, step on the owned slice, all-gather
     zero2.ZeRO2         ZeRO-1, but the full gradient is freed as soon as it is reduced
-    zero3.ZeRO3         parameters sharded too, gathered unit by unit (units.Unit; when:
-                        zero3_schedule)
-    offload.*           ZeRO-Offload: any stage, masters and optimizer state in host memory;
-                        stage 3 with offload="disk": shards in files (offload_disk)
+    zero3/              ZeRO3: parameters sharded too, gathered unit by unit (units.Unit; when:
+                        schedule; how they travel under ZeRO++ and HSDP: zeropp)
+    offload/            ZeRO-Offload: any stage, masters and optimizer state in host memory
+                        (optimizer); stage 3 with offload="disk": shards in files (disk, pager)
+
+and what they share: state (what an engine holds
+and reports), options (every option, checked once), setup (before training: the same model on
+every rank), param_groups (the script's optimizer, handed over), grad_guard (p.grad under ZeRO).
 
 The command line's --strategy, the benchmark and the chapters all build their engines here, so
 a name means the same engine everywhere; zl.ZeRO(stage=k) picks among the three ZeRO stages.
@@ -53,7 +57,7 @@ def ZeRO(model, optimizer=None, *, stage=None, **options):
     """zl.ZeRO(model, optimizer, stage=1 | 2 | 3, ...): the ZeRO engine of that stage
     (ZeRO1, ZeRO2 or ZeRO3), with the same options for every stage (zerolab.engines.options);
     offload="optimizer" (any stage) or "disk" (stage 3, with offload_dir=) moves model states
-    off the device (zerolab.engines.offload, offload_disk)."""
+    off the device (zerolab.engines.offload)."""
     if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (1, 2, 3):
         raise ValueError(f"stage must be 1 (shard optimizer state), 2 (also gradients) or 3 (also "
                          f"parameters); got {stage!r}")
@@ -71,7 +75,7 @@ def offloaded(stage: int, offload):
     from .offload import OptimizerOffload
     if offload == "disk":
         disk_needs_stage_3(stage)
-        from .offload_disk import ZeRO3Disk
+        from .offload import ZeRO3Disk
         return ZeRO3Disk
     base = engine_class(f"zero{stage}")
     return type(f"{base.__name__}Offload", (OptimizerOffload, base),

@@ -34,8 +34,8 @@ all-gather in backward, reduce-scatter of the gradients, the paper's 3 Psi (1.5x
 
 What a unit is and does (Unit: gather, wait, release, accumulate, reduce_scatter; find_units;
 freeing storage by resizing it, and measure_peak, which counts those resizes) lives in
-zerolab.engines.units; WHEN they do it (hooks, prefetch order, the end of backward) is the
-mixin zerolab.engines.zero3_schedule.UnitSchedule.
+zerolab.engines.zero3.units; WHEN they do it (hooks, prefetch order, the end of backward) is the
+mixin zerolab.engines.zero3.schedule.UnitSchedule.
 What every engine shares (backward's loss / N and guards, the step template, full_state_dict,
 memory_report) is zerolab.engines.base.Engine's; initialising a GPT built on the meta device
 (gpt_init) is zerolab.models'.
@@ -49,16 +49,17 @@ import warnings
 import torch
 import torch.nn as nn
 
-from ..buckets import unreached_ranges
-from ..memory import optimizer_tensors
-from ..precision import fp32_where_buffers
-from .base import Engine
-from .state import flat_segments
-from . import options, param_groups, zeropp
-from .options import EngineOptions
-from .setup import broadcast_from_rank0, compiled_parts, start_data_parallel
+from ...buckets import unreached_ranges
+from ...memory import optimizer_tensors
+from ...precision import fp32_where_buffers
+from .. import options, param_groups
+from ..base import Engine
+from ..options import EngineOptions
+from ..setup import broadcast_from_rank0, compiled_parts, start_data_parallel
+from ..state import flat_segments
+from . import zeropp
+from .schedule import UnitSchedule
 from .units import Unit, find_units, group_params, measure_peak
-from .zero3_schedule import UnitSchedule
 
 
 # ------------------------------------------------------------------ the engine

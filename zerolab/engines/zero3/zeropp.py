@@ -48,8 +48,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import quantize as qz
-from ..topology import as_topology
+from ... import quantize as qz
+from ...topology import as_topology
 
 WEIGHT_BITS, GRAD_BITS = 8, 4     # ZeRO++: int8 weights, int4 gradients
 BLOCK = 64                        # elements per scale of the weights (a scale adds 4/64 byte each)

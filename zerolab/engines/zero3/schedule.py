@@ -1,7 +1,7 @@
 """When ZeRO-3's units gather, release and reduce-scatter: the hooks and their order.
 
-A Unit (zerolab.engines.units) knows HOW to gather, release and reduce-scatter itself; this
-mixin of zerolab.engines.zero3.ZeRO3 decides WHEN, from hooks on the model:
+A Unit (zerolab.engines.zero3.units) knows HOW to gather, release and reduce-scatter itself; this
+mixin of zerolab.engines.zero3.engine.ZeRO3 decides WHEN, from hooks on the model:
 
 * a unit's forward pre-hook issues its all-gather (unless a prefetch did), the all-gathers of
   the next `prefetch` units in the last forward's order, then waits for its own; its forward
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .base import tensors_in
+from ..base import tensors_in
 from .units import Event, _InputsGradDone
 
 

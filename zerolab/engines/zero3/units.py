@@ -7,7 +7,7 @@ state; "frozen": the rest) and this rank's shard of each, and carries out its ow
     gradient:   full (backward) --reduce_scatter()--> in flight --finish_reduce()--> this rank's shard
 
 find_units picks the units (by default the children of the model's largest nn.ModuleList /
-nn.Sequential); zerolab.engines.zero3 decides WHEN each unit does what (hooks, prefetch order).
+nn.Sequential); zerolab.engines.zero3.engine decides WHEN each unit does what (hooks, prefetch order).
 _InputsGradDone tells it when a unit's backward is over. A released buffer keeps its shape but
 its storage is resized to 0 (_storage_free / _storage_alloc): autograd may hold views of it, so
 the tensor itself must stay. Resizing a storage is not an operation the CPU allocation tracker
@@ -26,8 +26,8 @@ from collections import namedtuple
 import torch
 import torch.nn as nn
 
-from ..buckets import Bucket
-from ..memory import PeakMemory
+from ...buckets import Bucket
+from ...memory import PeakMemory
 
 Event = namedtuple("Event", "time rank unit state phase")
 """One step of a unit's lifecycle: state is gathering | gathered | in_use | reduce_scatter | released."""
@@ -97,7 +97,7 @@ class Unit:
     `train` holds the trainable parameters (gradients, optimizer state), `frozen` the rest
     (gathered like the others, never reduced, no optimizer state). `comm` is the engine's
     ledger, `record(unit, state, phase)` its event log, `route` decides how its collectives
-    travel (zerolab.engines.zeropp: over the world, quantized, node-local, HSDP).
+    travel (zerolab.engines.zero3.zeropp: over the world, quantized, node-local, HSDP).
     """
 
     def __init__(self, index, name, module, params, comm, record, route):

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..memory import live_bytes, optimizer_tensors
+from ...memory import live_bytes, optimizer_tensors
 
 
 

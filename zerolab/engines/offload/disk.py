@@ -6,7 +6,7 @@
 ZeRO-3 already cuts the model into units and holds only this rank's 1/N shard of each. Here
 even the shards leave memory: each unit's parameter shard (compute dtype), fp32 master shard,
 optimizer state (Adam's two moments) and reduced gradient shard live in files under
-offload_dir/rank<r>/ (zerolab.engines.pager: one I/O thread, atomic writes, byte counts from
+offload_dir/rank<r>/ (zerolab.engines.offload.pager: one I/O thread, atomic writes, byte counts from
 /proc). What is in memory at any moment is the unit being computed, the units being gathered
 ahead of it, and the one being read ahead of those (prefetch=0: each file is read only when
 its unit needs it, so nothing is ahead, and nothing of the disk's time is hidden):
@@ -50,13 +50,13 @@ import shutil
 import torch
 import torch.nn as nn
 
-from ..buckets import held_still
-from ..precision import clip_coefficient, found_overflow, global_norm, squared_norm
-from . import options
-from .offload import OptimizerOffload, host_empty
+from ...buckets import held_still
+from ...precision import clip_coefficient, found_overflow, global_norm, squared_norm
+from .. import options
+from ..zero3.engine import ZeRO3
+from ..zero3.units import Unit
+from .optimizer import OptimizerOffload, host_empty
 from .pager import Pager
-from .units import Unit
-from .zero3 import ZeRO3
 
 
 def check_offload_dir(offload_dir, model) -> None:
