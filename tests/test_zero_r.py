@@ -1,6 +1,6 @@
 """ZeRO-R on the engines: mesh=, activation checkpointing options, measured activations, C_B.
 
-The reference for training is tests/test_checkpointing.py::tp_train: the same
+The reference for training is tests/test_activation_checkpointing.py::tp_train: the same
 tensor-parallel GPT trained with a plain torch AdamW whose gradients are averaged over the
 dp group by hand. The engines must reach the same losses and parameters (fp32, 1e-6).
 """
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
-from test_checkpointing import B, tp_train
+from test_activation_checkpointing import B, tp_train
 from zerolab.data import CharDataset
 from zerolab.memory import model_state_bytes
 from zerolab.mesh import Mesh
@@ -144,7 +144,7 @@ def test_bad_residual_options_are_refused_at_construction():
         zl.ZeRO(model(), opt, stage=3, mesh=Mesh(mp=1), checkpoint_activations=True,
                 partition_activations=True)
     m = model()
-    zl.checkpointing.enable(m)
+    zl.activation_checkpointing.enable(m)
     with pytest.raises(ValueError, match="already enabled"):
         zl.ZeRO(m, opt, stage=2, checkpoint_activations=True)
     with pytest.raises(TypeError, match="mesh must be a zl.Mesh"):

@@ -33,7 +33,8 @@ _LAZY = {
     "Topology": ("zerolab.topology", "Topology"),
     "quantize": ("zerolab.quantize", None),
     "tensor_parallel": ("zerolab.tensor_parallel", None),
-    "checkpointing": ("zerolab.checkpointing", None),
+    "activation_checkpointing": ("zerolab.activation_checkpointing", None),
+    "checkpointing": ("zerolab.checkpointing", None),      # the old name, for one release
     "allocator": ("zerolab.allocator", None),
     "debug": ("zerolab.debug", None),
     "NaiveDDP": ("zerolab.engines.naive_ddp", "NaiveDDP"),

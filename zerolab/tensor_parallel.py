@@ -15,7 +15,7 @@ the same again for the MLP. LayerNorms, embeddings and the output head stay repl
 their inputs are identical on every mp rank, so their gradients are too.
 
 Every mp rank holds the full activations at the block boundaries: that replication is
-what ZeRO-R's partitioned activation checkpoints remove (zerolab.checkpointing).
+what ZeRO-R's partitioned activation checkpoints remove (zerolab.activation_checkpointing).
 Dropout inside the tensor-parallel regions would need per-rank RNG streams; the book's
 runs use dropout 0 here.
 """

@@ -120,10 +120,10 @@ def _run(mesh, stage, mode, steps=1, n_layer=4):
     data = CharDataset(model.cfg.block_size)
     for s in range(steps):
         mesh.ledger.reset()
-        if eng.checkpointing is not None:
-            eng.checkpointing.reset_counters()
+        if eng.activation_checkpointing is not None:
+            eng.activation_checkpointing.reset_counters()
         _, loss = gpt_loss(eng, data.batch(s, B, mesh.dp_rank, mesh.dp))
-        pool = eng.checkpointing.kept_bytes() if mode == "pa_cpu" else 0   # slices in the CPU pool now
+        pool = eng.activation_checkpointing.kept_bytes() if mode == "pa_cpu" else 0   # slices in the CPU pool now
         eng.backward(loss)
         eng.step()
         if s == steps - 1:
@@ -226,8 +226,8 @@ def recompute_work(n_layer: int = 4) -> dict:
         for s in range(2):                         # step 0 warms up; step 1 is counted
             starts[0] = 0
             mesh.ledger.reset()
-            if eng.checkpointing is not None:
-                eng.checkpointing.reset_counters()
+            if eng.activation_checkpointing is not None:
+                eng.activation_checkpointing.reset_counters()
             batch = data.batch(s, B, mesh.dp_rank, mesh.dp)
             with FlopCounterMode(display=False) as fwd:
                 _, loss = gpt_loss(eng, batch)
@@ -236,7 +236,7 @@ def recompute_work(n_layer: int = 4) -> dict:
                 eng.backward(loss)
             eng.step()
             eng.zero_grad()
-        policy = eng.checkpointing
+        policy = eng.activation_checkpointing
         out[mode] = {"block_forwards": starts[0], "in_forward": in_forward,
                      "forward_flops": _linear_flops(fwd), "backward_flops": _linear_flops(bwd),
                      "pa_gather_sent": sum(r.bytes_sent for r in mesh.ledger.records if r.tag == "pa_gather"),

@@ -244,7 +244,7 @@ class EngineOptions:
                              "requires_grad=False): there is nothing for data parallelism to train")
         if self.residual.checkpoint_activations and getattr(model, "run_block", None) is not None:
             raise ValueError("activation checkpointing is already enabled on this model (by "
-                             "zl.checkpointing.enable or an earlier engine); enable it once: pass the "
+                             "zl.activation_checkpointing.enable or an earlier engine); enable it once: pass the "
                              "options to the engine and not to enable(), or the other way round")
 
     def settings(self) -> dict:

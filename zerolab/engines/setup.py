@@ -130,11 +130,11 @@ def data_parallel_layout(mesh):
 
 
 def enable_residual(model, mesh, checkpoint_activations, partition_activations, offload_activations):
-    """zl.checkpointing.enable with the engine's options; None when checkpointing is off."""
+    """zl.activation_checkpointing.enable with the engine's options; None when checkpointing is off."""
     if not checkpoint_activations:
         return None
-    from .. import checkpointing
-    return checkpointing.enable(model, mesh, partition_activations=partition_activations,
+    from .. import activation_checkpointing
+    return activation_checkpointing.enable(model, mesh, partition_activations=partition_activations,
                                 offload_activations=offload_activations)
 
 
@@ -252,7 +252,7 @@ def start_data_parallel(engine, model, optimizer, options) -> None:
     engine.mesh = r.mesh
     engine.comm, engine.world_size, engine.rank, engine._src = data_parallel_layout(r.mesh)
     engine.precision = MixedPrecision(t.precision, scaler=t.scaler, ledger=engine.comm)
-    engine.checkpointing = enable_residual(model, r.mesh, r.checkpoint_activations,
+    engine.activation_checkpointing = enable_residual(model, r.mesh, r.checkpoint_activations,
                                            r.partition_activations, r.offload_activations)
     # measuring activations costs an allocation tracker around every forward: on by default
     # only where ZeRO-R is in use (a mesh or checkpointing); None in the report otherwise

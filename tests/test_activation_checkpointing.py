@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
-from zerolab import checkpointing, memory
+from zerolab import activation_checkpointing as checkpointing, memory
 from zerolab.data import CharDataset
 from zerolab.mesh import Mesh
 from zerolab.models import GPT, gpt_config, gpt_loss
@@ -167,3 +167,12 @@ def test_bad_options_are_refused_at_construction():
     assert "needs partition_activations=True" in msgs[1]
     assert "mp >= 2 (got mp=1)" in msgs[2]
     assert "already enabled" in msgs[3]
+
+
+def test_the_old_module_name_still_imports_and_names_the_new_one():
+    import importlib
+    import sys
+    sys.modules.pop("zerolab.checkpointing", None)
+    with pytest.warns(DeprecationWarning, match="zerolab.activation_checkpointing"):
+        old = importlib.import_module("zerolab.checkpointing")
+    assert old.enable is checkpointing.enable
