@@ -1,5 +1,6 @@
 # zerolab: two commands do everything on a fresh machine.
 #   make test   set up, then run the unit tests, the multi-process tests and nbval over every chapter
+#   make test-fast   the library's unit tests only (no launched ranks), in under two minutes
 #   make book   set up, then execute every chapter and build the HTML book into _build/html
 #   make test-kernels   make test once under each CPU kernel set torch can use here (AVX2, AVX-512,
 #               the plain default, Arm's SVE): one line each; CI runs make test only
@@ -20,7 +21,7 @@ CPU_TORCH := torch==2.13.0
 # threads added it up (and on the CPU's kernels: no compared output relies on them).
 export OMP_NUM_THREADS := 1
 
-.PHONY: setup test test-kernels book site shots clean
+.PHONY: setup test test-fast test-kernels book site shots clean
 
 setup: $(STAMP)
 
@@ -40,6 +41,10 @@ $(STAMP): requirements.txt pyproject.toml
 test: setup
 	$(PY) -m pytest tests chapters --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg \
 	  --nbval-cell-timeout=600 -p no:cacheprovider -q --durations=10
+
+# the library's unit tests alone, in seconds: no test that launches ranks or processes (marked slow)
+test-fast: setup
+	$(PY) -m pytest tests -m "not slow" -p no:cacheprovider -q
 
 test-kernels: setup
 	$(PY) tests/run_under_each_kernel.py

@@ -2,16 +2,16 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zerolab as zl
+
+from helpers import B, tp_train
 from zerolab import activation_checkpointing as checkpointing, memory
 from zerolab.data import CharDataset
 from zerolab.mesh import Mesh
 from zerolab.models import GPT, gpt_config, gpt_loss
 from zerolab.tensor_parallel import TensorParallelGPT
 
-B = 4
 
 
 def _held_per_block(make_model, setup, batch):
@@ -60,33 +60,6 @@ def test_checkpointing_keeps_only_block_inputs():
 
 
 # ---- dp=2 x mp=2: tensor parallel GPT, data parallel over the dp group by hand
-
-
-def tp_train(mode, steps=3, mp=2):
-    mesh = Mesh(mp=mp)
-    cfg = gpt_config("nano", n_head=4)
-    torch.manual_seed(0)
-    model = TensorParallelGPT.from_dense(GPT(cfg), mesh)
-    if mode != "none":
-        checkpointing.enable(model, mesh, partition_activations=mode in ("pa", "pa_cpu"),
-                             offload_activations=mode == "pa_cpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    data = CharDataset(cfg.block_size)
-    losses = []
-    for step in range(steps):
-        _, loss = gpt_loss(model, data.batch(step, B, mesh.dp_rank, mesh.dp))
-        loss.backward()
-        for p in model.parameters():   # average over the dp group
-            mesh.ledger.all_reduce(p.grad, group=mesh.dp_group, tag="dp")
-            p.grad /= mesh.dp
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    by_tag = {}
-    for r in mesh.ledger.records:
-        by_tag[r.tag] = by_tag.get(r.tag, 0) + r.bytes_sent
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "bytes": by_tag}
 
 
 def tp_all_modes():

@@ -10,34 +10,14 @@ stay fp32 and the modules holding them compute in fp32 (as autocast keeps BatchN
 from functools import partial
 
 import torch
-import torch.distributed as dist
-import torch.nn as nn
 
 import zerolab as zl
+
+from helpers import BatchNormNet, my_rows
 
 STEPS = 3
 LR = 0.1
 DATA_PARALLEL = [name for name in zl.engines.NAMES if name != "single"]
-
-
-class BatchNormNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        # two blocks (ZeRO-3's units), the first with a BatchNorm
-        self.blocks = nn.Sequential(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh()),
-                                    nn.Sequential(nn.Linear(8, 3)))
-
-    def forward(self, x):
-        return self.blocks(x)
-
-
-def my_rows(step):
-    r, n = dist.get_rank(), dist.get_world_size()
-    g = torch.Generator().manual_seed(step)
-    x, y = torch.randn(4 * n, 6, generator=g), torch.randn(4 * n, 3, generator=g)
-    x = x + torch.arange(4 * n).unsqueeze(1) / 4.0     # each rank's rows have their own mean
-    return x[4 * r:4 * r + 4], y[4 * r:4 * r + 4]
 
 
 def pytorch_ddp(broadcast):

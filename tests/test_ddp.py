@@ -2,7 +2,6 @@
 own DistributedDataParallel, on the GPT and on AwkwardModel (odd sizes, a frozen layer, an
 unused branch, a weight used twice, tied weights)."""
 
-from functools import partial
 
 import pytest
 import torch
@@ -10,9 +9,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import zerolab as zl
+
+from helpers import PARITY_ADAMW, backward_in_micro_batches, build
 from tolerances import fp32_adamw_tol
-from zerolab.data import CharDataset, SyntheticRegression
-from zerolab.models import GPT, AwkwardModel, gpt_config, gpt_loss, regression_loss
+from zerolab.models import AwkwardModel
 from zerolab.engines.single import SingleProcess
 
 STEPS = 4
@@ -21,21 +21,13 @@ STEPS = 4
 # PyTorch DDP vs one process alike) then differ by a few 1e-6. eps=1e-6 bounds that
 # amplification (update change <= lr * dgrad / eps); tests/tolerances.py derives the fp32
 # tolerance from it and checks its premise on this CPU's kernels.
-OPT = partial(torch.optim.AdamW, lr=1e-3, eps=1e-6, weight_decay=0.1)
+OPT = PARITY_ADAMW
 BUCKET_MB = {"gpt": 0.02, "awkward": 0.0002}   # small, so there are several buckets
 # stated tolerances on the fp32 master weights after STEPS AdamW steps, against the same
 # precision in one process: bf16/fp16 gradients are rounded once more when they are summed
 TOL = {"fp32": fp32_adamw_tol(STEPS), "bf16": 2e-3, "fp16": 2e-3}
 
 
-def build(kind, seed):
-    torch.manual_seed(seed)
-    if kind == "gpt":
-        # bias=False: the gradient of the attention KEY bias is exactly zero in real arithmetic
-        # (softmax ignores a shift), so with biases Adam turns that bias's rounding noise into
-        # full-size updates and no two summation orders (PyTorch DDP included) agree to 1e-6.
-        return GPT(gpt_config("nano", bias=False)), CharDataset(32), gpt_loss, 2
-    return AwkwardModel(), SyntheticRegression(d_in=13, d_out=5), regression_loss, 3
 
 
 def run_zl(kind, precision, rank, n, steps=STEPS, micro=1):
@@ -45,13 +37,8 @@ def run_zl(kind, precision, rank, n, steps=STEPS, micro=1):
     applied = []
     for s in range(steps):
         x, y = data.batch(s, B * micro, rank, n)
-        for m in range(micro):
-            rows = slice(m * B, (m + 1) * B)
-            if m < micro - 1:
-                with eng.no_sync():
-                    eng.backward(loss_fn(eng, (x[rows], y[rows]))[1] / micro)
-            else:
-                eng.backward(loss_fn(eng, (x[rows], y[rows]))[1] / micro)
+        backward_in_micro_batches(
+            eng, lambda m: loss_fn(eng, (x[m * B:(m + 1) * B], y[m * B:(m + 1) * B]))[1] / micro, micro)
         applied.append(eng.step())
         eng.zero_grad()
     return eng, applied

@@ -6,40 +6,17 @@ the results leave through engine.state_dict() and torch.save, to be read back by
 nn.Module (weights_only=True) and by another engine.
 """
 
-import dataclasses
 import io
 from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 import zerolab as zl
 
+from helpers import KwNet, batch, hf_gpt2, one_step_fewer, tokens
+
 LR, MAX_NORM, STEPS = 0.1, 0.5, 3
-
-
-@dataclasses.dataclass
-class Output:
-    logits: torch.Tensor
-    loss: torch.Tensor | None = None
-
-
-class KwNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-        self.head = nn.Linear(3, 3)      # in ZeRO-3's root unit: needed again in backward
-
-    def forward(self, features, target=None, scale=1.0):
-        logits = self.head(self.body(features["x"]) * scale)
-        loss = None if target is None else (logits - target).pow(2).mean()
-        return Output(logits, loss)
-
-
-def batch(step, rows):
-    g = torch.Generator().manual_seed(step)
-    return torch.randn(rows, 6, generator=g), torch.randn(rows, 3, generator=g)
 
 
 def plain_pytorch(world_size):
@@ -111,13 +88,6 @@ def test_keywords_nested_inputs_clip_and_state_dict_under_every_engine():
 
 
 # ------------------------------------------------------------------ misuses that must be named
-
-
-def one_step_fewer():
-    t = torch.ones(1)
-    for _ in range(3 - dist.get_rank()):    # rank 1 stops one collective early
-        dist.all_reduce(t)
-    return dist.get_rank()
 
 
 def test_a_rank_that_finishes_early_is_named_as_such():
@@ -199,23 +169,6 @@ def test_zero3_full_weights_are_read_inside_gathered_parameters_only():
 
 
 # ------------------------------------------------------------------ a model nobody here wrote
-
-
-def hf_gpt2():
-    import warnings
-    from transformers import GPT2Config, GPT2LMHeadModel
-    from transformers.utils import logging
-    logging.set_verbosity_error()
-    cfg = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
-                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return GPT2LMHeadModel(cfg)
-
-
-def tokens(step, rows):
-    return torch.randint(0, 64, (rows, 16), generator=torch.Generator().manual_seed(step))
 
 
 def hf_plain(world_size):

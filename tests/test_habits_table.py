@@ -16,13 +16,10 @@ from functools import partial
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 import zerolab as zl
 
-from test_buffers import BatchNormNet, my_rows
-from test_habits import KwNet, batch, hf_gpt2, one_step_fewer, tokens
-from test_param_groups import make, train
+from helpers import BatchNormNet, KwNet, batch, hf_gpt2, make_grouped, my_rows, one_step_fewer, tokens, train_groups
 
 ALL = list(zl.engines.NAMES)
 DP = [n for n in ALL if n != "single"]
@@ -93,9 +90,9 @@ def user_side_clip(name):
 
 def nanogpt_groups(name):
     # (that they move to the right values: tests/test_param_groups.py)
-    engine = make(name, "nanogpt")
+    engine = make_grouped(name, "nanogpt")
     before = engine.state_dict()
-    after = train(engine, 2).state_dict()
+    after = train_groups(engine, 2).state_dict()
     frozen = [k for k in before if torch.equal(before[k], after[k])]
     return "ok" if not frozen else f"never moved: {frozen}"
 

@@ -38,12 +38,13 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
-from zerolab.data import CharDataset, SyntheticRegression
-from zerolab.models import GPT, AwkwardModel, gpt_config, gpt_loss, regression_loss
+
+from helpers import PARITY_ADAMW, backward_in_micro_batches, build
+from zerolab.models import GPT, gpt_config
 
 from tolerances import fp32_adamw_tol
 
-OPT = partial(torch.optim.AdamW, lr=1e-3, eps=1e-6, weight_decay=0.1)
+OPT = PARITY_ADAMW
 STEPS = 3
 
 
@@ -55,11 +56,6 @@ def grouped(params):
                              lr=1e-3, eps=1e-6)
 
 
-def build(kind, seed):
-    torch.manual_seed(seed)
-    if kind == "gpt":
-        return GPT(gpt_config("nano", bias=False)), CharDataset(32), gpt_loss, 2
-    return AwkwardModel(), SyntheticRegression(d_in=13, d_out=5), regression_loss, 3
 
 
 def train(stage, precision, offload, *, kind="gpt", micro=1, clip=None, inf_step=None,
@@ -75,15 +71,9 @@ def train(stage, precision, offload, *, kind="gpt", micro=1, clip=None, inf_step
     for s in range(steps):
         io0 = eng.disk_io() if offload == "disk" else None
         x, y = data.batch(s, B * micro, rank, n)
-        for m in range(micro):
-            loss = loss_fn(eng, (x[m * B:(m + 1) * B], y[m * B:(m + 1) * B]))[1] / micro
-            if s == inf_step and rank == n - 1:
-                loss = loss * float("inf")
-            if m < micro - 1:
-                with eng.no_sync():
-                    eng.backward(loss)
-            else:
-                eng.backward(loss)
+        poison = float("inf") if s == inf_step and rank == n - 1 else 1.0   # one rank's loss overflows
+        backward_in_micro_batches(
+            eng, lambda m: loss_fn(eng, (x[m * B:(m + 1) * B], y[m * B:(m + 1) * B]))[1] / micro * poison, micro)
         if offload:
             eng.transfers.reset()
         applied.append(eng.step())

@@ -34,13 +34,15 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
+
+from helpers import PARITY_ADAMW
 from zerolab import checkpoint
 from zerolab.book.offload_demo import checkpoint_worker
 from zerolab.checkpoint_reader import CheckpointError
 from zerolab.data import CharDataset
 from zerolab.models import GPT, gpt_config, gpt_loss
 
-OPT = partial(torch.optim.AdamW, lr=1e-3, eps=1e-6, weight_decay=0.1)
+OPT = PARITY_ADAMW
 
 
 def grouped(params):

@@ -12,71 +12,25 @@ import os
 import tempfile
 
 import torch
-import torch.distributed as dist
-import torch.nn as nn
 
 import zerolab as zl
+
+from helpers import FACTORIES, make_grouped, model_under_test, train_groups
 
 STEPS = 3
 TOL = 1e-6
 
 
-def model_under_test():
-    torch.manual_seed(0)
-    # two blocks (ZeRO-3 units) with weights, biases and a LayerNorm; a head in the root unit
-    return nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16)),
-                         nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 4))
-
-
-def nanogpt_groups(params):
-    """nanoGPT's configure_optimizers rule: weight decay on tensors of 2 or more dimensions."""
-    params = list(params)
-    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=1e-3)
-
-
-def lr_groups(params):
-    """Per-group learning rates, groups that cut across buckets and units."""
-    params = list(params)
-    return torch.optim.AdamW([{"params": params[::2], "lr": 1e-2, "weight_decay": 0.1},
-                              {"params": params[1::2], "lr": 1e-3, "weight_decay": 0.0}], lr=5e-3)
-
-
-FACTORIES = {"nanogpt": nanogpt_groups, "lr": lr_groups}
-
-
-def batch(step, rows):
-    g = torch.Generator().manual_seed(step)
-    return torch.randn(rows, 8, generator=g), torch.randn(rows, 4, generator=g)
-
-
-def train(engine, steps, first=0):
-    n = dist.get_world_size() if dist.is_initialized() else 1
-    r = dist.get_rank() if dist.is_initialized() else 0
-    for step in range(first, first + steps):
-        x, y = batch(step, 4)
-        rows = slice(r * 4 // n, (r + 1) * 4 // n)
-        loss = (engine(x[rows]) - y[rows]).pow(2).mean()
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-    return engine
-
-
-def make(name, factory):
-    # tiny buckets, so that groups are cut across several buckets and shards
-    options = {} if name in ("single", "naive", "zero3") else {"bucket_mb": 0.0005}
-    return zl.engines.make(name, model_under_test(), FACTORIES[factory], **options)
 
 
 def under_every_engine(factory):
-    return {name: train(make(name, factory), STEPS).state_dict() for name in zl.engines.NAMES
+    return {name: train_groups(make_grouped(name, factory), STEPS).state_dict() for name in zl.engines.NAMES
             if name != "single"}
 
 
 def test_parameter_groups_train_as_one_process_does_under_every_engine():
     for factory in FACTORIES:
-        ref = train(make("single", factory), STEPS).state_dict()
+        ref = train_groups(make_grouped("single", factory), STEPS).state_dict()
         for rank, seen in enumerate(zl.launch(under_every_engine, 2, args=(factory,))):
             for name, state in seen.items():
                 worst = max(float((state[k] - ref[k]).abs().max()) for k in ref)
@@ -85,15 +39,15 @@ def test_parameter_groups_train_as_one_process_does_under_every_engine():
 
 def resume_with_groups(path):
     """Save at ZeRO-3, load at ZeRO-1 (optimizer state in group views on both sides)."""
-    saver = train(make("zero3", "lr"), 2)
+    saver = train_groups(make_grouped("zero3", "lr"), 2)
     zl.checkpoint.save(saver, path)
-    loader = make("zero1", "lr")
+    loader = make_grouped("zero1", "lr")
     zl.checkpoint.load(loader, path)
-    return train(loader, 2, first=2).state_dict()
+    return train_groups(loader, 2, first=2).state_dict()
 
 
 def test_a_checkpoint_with_groups_resumes_on_another_stage_as_an_uninterrupted_run():
-    ref = train(make("single", "lr"), 4).state_dict()
+    ref = train_groups(make_grouped("single", "lr"), 4).state_dict()
     with tempfile.TemporaryDirectory() as tmp:
         for state in zl.launch(resume_with_groups, 2, args=(os.path.join(tmp, "ckpt"),)):
             worst = max(float((state[k] - ref[k]).abs().max()) for k in ref)

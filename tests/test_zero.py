@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
+
+from helpers import PARITY_ADAMW, backward_in_micro_batches, build
 from tolerances import fp32_adamw_tol
 from zerolab.data import CharDataset, SyntheticRegression
 from zerolab.memory import model_state_bytes
@@ -25,7 +27,7 @@ from zerolab.engines.single import SingleProcess
 
 STEPS = 3
 # eps=1e-6 bounds how much Adam amplifies rounding noise on near-zero gradients (tests/tolerances.py)
-OPT = partial(torch.optim.AdamW, lr=1e-3, eps=1e-6, weight_decay=0.1)
+OPT = PARITY_ADAMW
 OPTIMIZERS = {"adamw": OPT, "adam": partial(torch.optim.Adam, lr=1e-3, eps=1e-6),
               "sgd": partial(torch.optim.SGD, lr=0.05, momentum=0.9)}
 BUCKET_MB = {"gpt": 0.02, "awkward": 0.0002}   # small, so there are several buckets
@@ -34,12 +36,6 @@ BUCKET_MB = {"gpt": 0.02, "awkward": 0.0002}   # small, so there are several buc
 TOL = {"fp32": fp32_adamw_tol(STEPS), "bf16": 2e-3, "fp16": 2e-3}
 
 
-def build(kind, seed):
-    torch.manual_seed(seed)
-    if kind == "gpt":
-        # bias=False: the attention key bias has an exactly-zero gradient (see test_ddp)
-        return GPT(gpt_config("nano", bias=False)), CharDataset(32), gpt_loss, 2
-    return AwkwardModel(), SyntheticRegression(d_in=13, d_out=5), regression_loss, 3
 
 
 def train(make_engine, kind, rank, n, steps=STEPS, micro=1):
@@ -49,14 +45,8 @@ def train(make_engine, kind, rank, n, steps=STEPS, micro=1):
     applied = []
     for s in range(steps):
         x, y = data.batch(s, B * micro, rank, n)
-        for m in range(micro):
-            rows = slice(m * B, (m + 1) * B)
-            loss = loss_fn(eng, (x[rows], y[rows]))[1] / micro
-            if m < micro - 1:
-                with eng.no_sync():
-                    eng.backward(loss)
-            else:
-                eng.backward(loss)
+        backward_in_micro_batches(
+            eng, lambda m: loss_fn(eng, (x[m * B:(m + 1) * B], y[m * B:(m + 1) * B]))[1] / micro, micro)
         applied.append(eng.step())
         eng.zero_grad()
     return eng, applied

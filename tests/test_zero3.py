@@ -6,7 +6,7 @@ grad, frozen and tied parameters, activation checkpointing, eval); bf16 / fp16 a
 process in the same precision, an fp16 overflow on one rank, gradient accumulation (with
 and without no_sync); bad input."""
 
-from functools import lru_cache, partial
+from functools import lru_cache
 
 import pytest
 import torch
@@ -15,8 +15,11 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import zerolab as zl
+
+from helpers import PARITY_ADAMW, backward_in_micro_batches
+from helpers import build as shared_build
 from tolerances import fp32_adamw_tol
-from zerolab.data import CharDataset, SyntheticRegression
+from zerolab.data import CharDataset
 from zerolab.launch import LaunchError
 from zerolab.memory import AllocationTracker, saved_activation_bytes
 from zerolab.models import GPT, AwkwardModel, gpt_config, gpt_loss, regression_loss
@@ -27,7 +30,7 @@ from zerolab.engines.zero3 import ZeRO3
 
 STEPS = 3
 # eps=1e-6 bounds how much Adam amplifies summation-order rounding (tests/tolerances.py)
-OPT = partial(torch.optim.AdamW, lr=1e-3, eps=1e-6, weight_decay=0.1)
+OPT = PARITY_ADAMW
 TOL = fp32_adamw_tol(STEPS)   # two summation orders after STEPS fp32 AdamW steps
 
 
@@ -78,13 +81,10 @@ class SeqData:
 
 
 def build(kind, seed):
+    """helpers.build's models, and EdgyModel on its sequences."""
+    if kind != "edgy":
+        return shared_build(kind, seed)
     torch.manual_seed(seed)
-    if kind == "gpt":     # bias=False: see test_ddp.py (the key bias has an exactly-zero gradient)
-        return GPT(gpt_config("nano", bias=False)), CharDataset(32), gpt_loss, 2
-    if kind == "gpt_tied":
-        return GPT(gpt_config("nano", bias=False, tie_weights=True)), CharDataset(32), gpt_loss, 2
-    if kind == "awkward":
-        return AwkwardModel(), SyntheticRegression(d_in=13, d_out=5), regression_loss, 3
     return EdgyModel(), SeqData(), regression_loss, 2
 
 
@@ -263,14 +263,9 @@ def train_gpt(eng, rank, n, micro=1, sync=True, steps=STEPS):
     for s in range(steps):
         eng.comm.reset()
         x, y = data.batch(s, B * micro, rank, n)
-        for m in range(micro):
-            rows = slice(m * B, (m + 1) * B)
-            loss = loss_fn(eng, (x[rows], y[rows]))[1] / micro
-            if m < micro - 1 and not sync:
-                with eng.no_sync():
-                    eng.backward(loss)
-            else:
-                eng.backward(loss)
+        backward_in_micro_batches(
+            eng, lambda m: loss_fn(eng, (x[m * B:(m + 1) * B], y[m * B:(m + 1) * B]))[1] / micro, micro,
+            no_sync=not sync)
         applied.append(eng.step())
         eng.zero_grad()
     rs = sum(1 for r in eng.comm.records if r.op == "reduce_scatter")   # in the last step

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
-from test_activation_checkpointing import B, tp_train
+from helpers import B, tp_train
 from zerolab.data import CharDataset
 from zerolab.memory import model_state_bytes
 from zerolab.mesh import Mesh
