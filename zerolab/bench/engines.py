@@ -145,7 +145,7 @@ def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KIND
     def floor():
         # zl.DDP over a data-parallel group of one rank: the same buckets and flat optimizer as
         # every zerolab engine, nothing sent. No engine does less work, so none can beat it.
-        from .mesh import Mesh
+        from ..mesh import Mesh
         alone = Mesh(dp=1, mp=dist.get_world_size())
         r = _zl_runner("zl.DDP alone", "floor", make_zerolab("zl.DDP", zl_model(), opt, bucket_mb=bucket_mb, mesh=alone,
                                                      track_peak=False, track_activations=False))

@@ -40,7 +40,7 @@ def measure_memory(build, data, batch, warmup=2):
     every engine is measured the same way, C++ buffers and resized storages included.
     """
     import gc
-    from .memory import MallocTrace
+    from ..memory import MallocTrace
     rank, n = dist.get_rank(), dist.get_world_size()
     gc.collect()
     with MallocTrace() as trace:
