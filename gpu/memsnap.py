@@ -7,7 +7,7 @@ setting: checkpoints and gradients are the long-lived blocks M_D moves). Two ste
 with torch.cuda.memory._record_memory_history; the snapshot gives the allocator's segments and
 its alloc/free timeline: reserved - allocated is the real fragmentation (plus caching). A third
 step is followed op by op (zerolab.memory.AllocationTracker) and replayed in
-zerolab.allocator (the model chapter 9 uses) without and with M_D.
+zerolab.theory.allocator (the model chapter 9 uses) without and with M_D.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def main(outdir):
     snap = "/tmp/zero3_memory_snapshot.pickle" if cuda else None
     r = zl.launch(memsnap_worker, 1, timeout=500, args=("350m" if cuda else "cpu-test", 8 if cuda else 2, snap))[0]
     result = {"what": "CUDA caching allocator during ZeRO-3 bf16 steps (activation checkpointing on), "
-                      "beside zerolab.allocator's model of the same step", **r}
+                      "beside zerolab.theory.allocator's model of the same step", **r}
     if cuda:
         c = r["cuda"]
         c["fragmentation_peak_bytes"] = c["reserved_peak"] - c["allocated_peak"]

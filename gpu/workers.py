@@ -273,7 +273,7 @@ def bench_worker(cfg_name, batch, bucket_mb, warmup, steps, engines=BENCH_ENGINE
 def memsnap_worker(cfg_name, batch, snapshot_path, checkpoint_activations=True, steps=3):
     """ZeRO-3 bf16 steps under the CUDA allocator's history recorder, and the same step's
     allocation trace (zerolab.memory.AllocationTracker) replayed in chapter 9's allocator model."""
-    from zerolab import allocator
+    from zerolab.theory import allocator
     from zerolab.memory import AllocationTracker
     rank, n = dist.get_rank(), dist.get_world_size()
     dev = compute_device()
@@ -358,9 +358,9 @@ def memsnap_worker(cfg_name, batch, snapshot_path, checkpoint_activations=True, 
     out["model"] = {"events": len(trace), "blocks": len(life), "long_lived_blocks": len(longl),
                     "without_MD": plain.__dict__ | {"fragmentation": plain.fragmentation},
                     "with_MD": md.__dict__ | {"fragmentation": md.fragmentation},
-                    "note": "zerolab.allocator.replay (best-fit, coalescing, 512-byte rounding) of the "
+                    "note": "zerolab.theory.allocator.replay (best-fit, coalescing, 512-byte rounding) of the "
                             "step's op-level allocation trace; long-lived = alive > 25% of the step or "
-                            "past its end (zerolab.allocator.long_lived), the blocks M_D would move"}
+                            "past its end (zerolab.theory.allocator.long_lived), the blocks M_D would move"}
     if cuda:
         torch.cuda.synchronize()
         st = torch.cuda.memory_stats(dev)

@@ -2,7 +2,8 @@
 
 import torch
 
-from zerolab import allocator, memory
+from zerolab import memory
+from zerolab.theory import allocator
 from zerolab.data import CharDataset
 from zerolab.memory import TraceEvent
 from zerolab.models import GPT, gpt_config, gpt_loss

@@ -2,7 +2,7 @@
 
 import pytest
 
-from zerolab import calculator as calc
+from zerolab.theory import calculator as calc
 
 # Table 1 of the paper: per-device GB for stages 1, 2, 3
 PAPER_TABLE1 = {

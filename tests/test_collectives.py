@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
-from zerolab.collectives import (naive_reduce, ring_all_gather, ring_all_reduce, ring_bytes,
+from zerolab.theory.collectives import (naive_reduce, ring_all_gather, ring_all_reduce, ring_bytes,
                                  ring_reduce_scatter)
 from zerolab.comm import Ledger
 

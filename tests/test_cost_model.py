@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
-from zerolab import cost_model as cm
+from zerolab.theory import cost_model as cm
 from zerolab.book import cost_checks, zeropp_demo
 from zerolab.comm import Ledger
 
@@ -220,7 +220,7 @@ def test_no_other_cost_function_in_the_book():
     for nb in sorted((ROOT / "chapters").glob("*.ipynb")):
         if any(PRIVATE.search(src) for src in _code_cells(nb)):
             offenders.append(str(nb.relative_to(ROOT)))
-    assert not offenders, f"compute times through zerolab.cost_model only: {offenders}"
+    assert not offenders, f"compute times through zerolab.theory.cost_model only: {offenders}"
 
 
 def test_chapters_time_the_cluster_only_through_cost_model():

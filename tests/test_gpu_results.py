@@ -169,8 +169,8 @@ def test_buckets_and_overlap_and_prefetch_act_as_the_chapters_say():
 
 def test_mfu_is_counted_against_the_datasheet_peak():
     # one definition of MFU in the book: model FLOPs per second over the datasheet peak, as
-    # zerolab.cost_model counts it; the box's own ratio (over its measured matmul rate) is larger
-    from zerolab import cost_model as cm
+    # zerolab.theory.cost_model counts it; the box's own ratio (over its measured matmul rate) is larger
+    from zerolab.theory import cost_model as cm
     from zerolab.book import gpu_results as gr
     b = load("bench.json")
     row = b["runs"]["world1"]["rows"][0]

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from zerolab import numerics as N
+from zerolab.theory import numerics as N
 
 TORCH_FORMATS = [f for f in N.NAMES if N.get_format(f).torch_dtype is not None]
 UINT = {8: torch.uint8, 16: torch.int16, 32: torch.int32}

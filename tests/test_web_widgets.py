@@ -19,9 +19,9 @@ import subprocess
 import pytest
 import torch
 
-from zerolab import calculator as calc
+from zerolab.theory import calculator as calc
 from zerolab import memory
-from zerolab import numerics as N
+from zerolab.theory import numerics as N
 from zerolab.book import web_widgets as W
 
 NODE = shutil.which("node")
@@ -79,7 +79,7 @@ def test_number_formatting_matches_python(tmp_path):
 
 
 def python_decode(bits: torch.Tensor, fmt) -> list:
-    """repr and kind of each pattern, from zerolab.numerics.from_bits and the format's landmarks."""
+    """repr and kind of each pattern, from zerolab.theory.numerics.from_bits and the format's landmarks."""
     values = N.from_bits(bits, fmt).tolist()
     tiny = N.smallest_normal(fmt)
     kinds = ["nan" if v != v else "inf" if abs(v) == float("inf") else "zero" if v == 0

@@ -18,9 +18,9 @@ __version__ = "0.1.0"
 
 # name -> (module, attribute or None for the module itself)
 _LAZY = {
-    "numerics": ("zerolab.numerics", None),
+    "numerics": ("zerolab.theory.numerics", None),
     "precision": ("zerolab.precision", None),
-    "collectives": ("zerolab.collectives", None),
+    "collectives": ("zerolab.theory.collectives", None),
     "train": ("zerolab.train", None),
     "single": ("zerolab.engines.single", None),
     "SingleProcess": ("zerolab.engines.single", "SingleProcess"),
@@ -35,7 +35,7 @@ _LAZY = {
     "tensor_parallel": ("zerolab.tensor_parallel", None),
     "activation_checkpointing": ("zerolab.activation_checkpointing", None),
     "checkpointing": ("zerolab.checkpointing", None),      # the old name, for one release
-    "allocator": ("zerolab.allocator", None),
+    "allocator": ("zerolab.theory.allocator", None),
     "debug": ("zerolab.debug", None),
     "NaiveDDP": ("zerolab.engines.naive_ddp", "NaiveDDP"),
     "DDP": ("zerolab.engines.ddp", "DDP"),

@@ -12,9 +12,9 @@ copies of one tensor. ZeRO-R removes the copies (paper, section 6.1):
 * P_a+cpu: the slice goes to CPU memory (pinned, on a GPU machine) right after forward
   and comes back, asynchronously, one block ahead of the backward pass.
 
-    ckpt = zl.checkpointing.enable(model)                                   # plain
-    ckpt = zl.checkpointing.enable(model, mesh, partition_activations=True)  # P_a
-    ckpt = zl.checkpointing.enable(model, mesh, partition_activations=True,
+    ckpt = zl.activation_checkpointing.enable(model)                                   # plain
+    ckpt = zl.activation_checkpointing.enable(model, mesh, partition_activations=True)  # P_a
+    ckpt = zl.activation_checkpointing.enable(model, mesh, partition_activations=True,
                                    offload_activations=True)                # P_a+cpu
 
 Plain checkpointing uses PyTorch's non-reentrant torch.utils.checkpoint. P_a needs to

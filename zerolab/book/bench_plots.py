@@ -56,7 +56,7 @@ STAGE_NAMES = {0: "DP (stage 0)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 
 def calculator_figure(psi, device_gb, n_ds=(1, 4, 16, 64, 256, 1024), activations_gb=0.0, n_m=1):
     """Per-device GB against N_d for each stage, the device's capacity as a line."""
-    from ..calculator import plan
+    from ..theory.calculator import plan
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for stage in (0, 1, 2, 3):
         ys = [plan(psi, device_gb, n, n_m, activations_gb=activations_gb)[stage]["total_gb"] for n in n_ds]

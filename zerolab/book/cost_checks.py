@@ -3,7 +3,7 @@
 Every figure here was published by someone else, on hardware we do not have; each row says who
 published it, where, and the margin within which the model is expected to reproduce it. The
 model's constants come from other figures than the ones it is checked against (see the comments
-in zerolab.cost_model): the NVLink efficiency from one NVLink's effective rate, the network's
+in zerolab.theory.cost_model): the NVLink efficiency from one NVLink's effective rate, the network's
 from one card's, the V100's compute rate from Megatron-LM's single-GPU run, the H100's MFU from
 Llama 3.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import cost_model as cm
+from ..theory import cost_model as cm
 from . import zeropp_demo
 
 GB = 1e9

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 
-from .. import cost_model as cm
+from ..theory import cost_model as cm
 
 COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3"]
 

@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import FancyBboxPatch
 
-from .. import numerics as N
+from ..theory import numerics as N
 
 COLORS = {"fp32": "tab:blue", "fp16": "tab:red", "bf16": "tab:green", "e4m3": "tab:purple",
           "e5m2": "tab:orange", "naive fp16": "tab:gray"}

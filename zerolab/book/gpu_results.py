@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..cost_model import H100_PEAK_FLOPS
+from ..theory.cost_model import H100_PEAK_FLOPS
 
 CHAPTERS = (2, 5, 8, 9, 10)
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "gpu",
@@ -89,7 +89,7 @@ def _chapter2(results):
 
 
 def mfu(row, bench) -> float:
-    """Model FLOPs utilisation as the literature and zerolab.cost_model count it: the model's FLOPs per
+    """Model FLOPs utilisation as the literature and zerolab.theory.cost_model count it: the model's FLOPs per
     second over the H100's datasheet bf16 peak (989 TFLOP/s). The GPU box recorded the same FLOPs over
     its measured bf16 matmul rate (row["mfu"]); that ratio is the matmul utilisation, not MFU."""
     return row["mfu"] * bench["matmul_peak"]["flops"] / H100_PEAK_FLOPS
@@ -206,7 +206,7 @@ def _chapter9(results):
     lines = [header(m["machine"]), "",
              f"ZeRO-3 in bf16 with activation checkpointing, world 1 (NCCL), a {m['psi'] / 1e6:.0f} M-parameter GPT: "
              "two steps recorded with `torch.cuda.memory._record_memory_history`, then one step followed op by op "
-             "and replayed in `zerolab.allocator` (this chapter's model).", "",
+             "and replayed in `zerolab.theory.allocator` (this chapter's model).", "",
              "| | GiB |", "|---|---:|",
              f"| CUDA: peak allocated | {_gib(c['allocated_peak'])} |",
              f"| CUDA: peak reserved (segments) | {_gib(c['reserved_peak'])} |",

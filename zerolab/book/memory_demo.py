@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import calculator, data, memory, models
+from ..theory import calculator
+from .. import data, memory, models
 from ..comm import Ledger
 from ..launch import rank, world_size
 
@@ -89,6 +90,6 @@ def replicated_step(size: str = "small", batch_size: int = 8, seed: int = 0) -> 
 
 
 def table1(psis=(7.5e9, 128e9, 1e12), n_ds=(1, 4, 16, 64, 256, 1024)) -> list:
-    """The paper's Table 1 (zerolab.calculator.table1) as rows: (N_d, [GB per stage 1, 2, 3 for each model])."""
+    """The paper's Table 1 (zerolab.theory.calculator.table1) as rows: (N_d, [GB per stage 1, 2, 3 for each model])."""
     t = calculator.table1(psis, n_ds)
     return [(n, [gb for psi in psis for gb in t[psi][n]]) for n in n_ds]

@@ -1,6 +1,6 @@
 """The ZeRO paper's Tables 1 and 2 as printed, beside the calculator's exact values (chapter 10).
 
-The calculator (zerolab.calculator) evaluates the paper's formulas exactly and prints them with
+The calculator (zerolab.theory.calculator) evaluates the paper's formulas exactly and prints them with
 Python's rounding; a few cells then read differently from the paper. This module finds those
 cells and says why, by recomputing each one the ways a table could have been rounded:
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from decimal import ROUND_FLOOR, ROUND_HALF_EVEN, ROUND_HALF_UP, Decimal
 
-from ..calculator import table1, table2
+from ..theory.calculator import table1, table2
 
 # Table 1: per-device GB, stages P_os, P_os+g, P_os+g+p, for each model size and N_d
 PAPER_TABLE1 = {

@@ -1,7 +1,7 @@
 """Chapter 10: choosing a stage from memory (the calculator) and time (the cost model).
 
 Nothing here is measured: memory per GPU is the paper's model-state formula
-(zerolab.calculator.plan), time is zerolab.cost_model.step_estimate on the hardware it
+(zerolab.theory.calculator.plan), time is zerolab.theory.cost_model.step_estimate on the hardware it
 assumes. Activations are left out: they are the same for every stage (checkpointing and P_a
 change them, not the stage), so they shift every point alike.
 
@@ -11,8 +11,8 @@ change them, not the stage), so they shift every point alike.
 
 from __future__ import annotations
 
-from .. import calculator as calc
-from .. import cost_model as cm
+from ..theory import calculator as calc
+from ..theory import cost_model as cm
 
 STAGE_NAMES = {0: "DP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 

@@ -29,9 +29,9 @@ import html
 import json
 import math
 
-from .. import calculator as calc
+from ..theory import calculator as calc
 from .. import memory
-from .. import numerics as N
+from ..theory import numerics as N
 
 ND_OPTIONS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)   # the N_d choices of the sliders
 NM_OPTIONS = (1, 2, 4, 8, 16)
@@ -99,7 +99,7 @@ function zlRepr(x) {                        // repr(x) of a Python float
   return zlSign(x) + s;
 }
 
-// ---- chapter 1: what a bit pattern means (zerolab.numerics.from_bits)
+// ---- chapter 1: what a bit pattern means (zerolab.theory.numerics.from_bits)
 function zlDecode(bits, E, M, hasInf) {     // {value, kind} of a pattern with E exponent, M mantissa bits
   const top = 2 ** E - 1, bias = 2 ** (E - 1) - 1;
   const sign = Math.floor(bits / 2 ** (E + M)) % 2;       // arithmetic, not <<: 32-bit patterns stay unsigned
@@ -138,7 +138,7 @@ function zlMemoryLines(billions, nD, stage, deviceGb) {   // what chapter 3's ca
   return lines;
 }
 
-// ---- chapter 10: which stages fit, with activations (zerolab.calculator)
+// ---- chapter 10: which stages fit, with activations (zerolab.theory.calculator)
 function zlActivationBytes(hidden, batch, seq, layers, nM, ckpt, partitioned, bytesPerValue = 2) {
   const perLayer = hidden * batch * seq * (ckpt ? 1 : 12);   // the paper's 12 h b s per layer, or one input
   const total = perLayer * layers * bytesPerValue;
@@ -300,7 +300,7 @@ def _in_range(name, value, lo, hi, step=None):
 
 
 def _bits_label(bits: int, fmt) -> str:
-    """What the toggler prints for a pattern, computed by zerolab.numerics."""
+    """What the toggler prints for a pattern, computed by zerolab.theory.numerics."""
     f = N.get_format(fmt)
     value = N.from_bits(bits, f)
     kind = N._bits(bits, f).kind
@@ -358,7 +358,7 @@ def memory_calculator(billions: float = 7.5, n_d: int = 64, stage: int = 2, devi
 
 
 def _plan_cells(psi_billions, device_gb, n_d, n_m, batch, seq, layers, hidden, ckpt) -> list[list[str]]:
-    """The planner's table, as zerolab.calculator computes and formats it (chapter 10's `show`)."""
+    """The planner's table, as zerolab.theory.calculator computes and formats it (chapter 10's `show`)."""
     act = calc.activation_bytes(hidden, batch, seq, layers, n_m=n_m, checkpointing=ckpt,
                                 partitioned=ckpt and n_m > 1) / 1e9
     text = calc.format_plan(calc.plan(psi_billions * 1e9, device_gb, n_d, n_m, activations_gb=act))

@@ -1,6 +1,6 @@
 """Chapter 8: when ZeRO-3's extra all-gather stops hiding behind compute, from the cost model.
 
-Built on zerolab.cost_model (collectives on NVLink and the nodes' network cards, and a step
+Built on zerolab.theory.cost_model (collectives on NVLink and the nodes' network cards, and a step
 estimate on a GPU cluster); nothing measured here: the numbers are what the model says for the
 hardware it assumes.
 
@@ -12,7 +12,7 @@ hardware it assumes.
 
 from __future__ import annotations
 
-from .. import cost_model as cm
+from ..theory import cost_model as cm
 
 
 def hiding_rows(psi: float, tokens_per_rank: float, ns=(8, 16, 64, 384, 512, 4096),

@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import torch
 from matplotlib.patches import Rectangle
 
-from .. import calculator
+from ..theory import calculator
 from ..buckets import FlatBuckets, bucket_order
 from ..models import GPT, gpt_config
 
@@ -112,6 +112,6 @@ def grad_timeline(traces: dict, psi: int, n: int, elem: int = 4, title: str = ""
 
 
 def table1_columns(models=(7.5e9, 128e9, 1e12), n_ds=(1, 4, 16, 64, 256, 1024), stages=(1, 2)) -> list:
-    """Rows (n_d, [GB for each model and stage]) of the paper's Table 1 (zerolab.calculator.table1)."""
+    """Rows (n_d, [GB for each model and stage]) of the paper's Table 1 (zerolab.theory.calculator.table1)."""
     t = calculator.table1(models, n_ds)
     return [(n_d, [t[psi][n_d][s - 1] for psi in models for s in stages]) for n_d in n_ds]

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
-from .. import allocator, checkpointing, memory
+from ..theory import allocator
+from .. import activation_checkpointing as checkpointing, memory
 from ..data import CharDataset
 from ..mesh import Mesh
 from ..models import GPT, gpt_config, gpt_loss

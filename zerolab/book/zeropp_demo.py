@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
-from zerolab import cost_model as cm
+from zerolab.theory import cost_model as cm
 from zerolab import quantize as qz
 from zerolab.data import CharDataset
 from zerolab.models import GPT, gpt_config, gpt_loss
@@ -202,7 +202,7 @@ def mean_loss(res, option):
 
 def option_collectives(option, psi, n, g, b=2):
     """The collectives one step of `option` runs for a psi-parameter model taken as one unit,
-    on n GPUs in nodes of g, as zerolab.cost_model.Collective records the cost model times.
+    on n GPUs in nodes of g, as zerolab.theory.cost_model.Collective records the cost model times.
 
     The same groups and payloads as closed_form (tests/test_cost_model.py checks that the bytes
     the cost model books per node are closed_form's): world rings of P b bytes, qwZ's of int8

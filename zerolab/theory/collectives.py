@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .comm import Ledger
+from ..comm import Ledger
 
 
 def _ring(ledger: Ledger | None):

@@ -13,7 +13,7 @@ checkpointing one hidden-size input per layer is kept, and P_a splits it N_m way
 
 from __future__ import annotations
 
-from .memory import max_params, model_state_bytes
+from ..memory import max_params, model_state_bytes
 
 GB = 1e9   # the paper's tables are in decimal gigabytes
 STAGES = (0, 1, 2, 3)
