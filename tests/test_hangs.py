@@ -196,3 +196,32 @@ def test_engines_in_a_process_group_the_caller_made_are_watched_too(tmp_path):
     assert "TIMEOUT 3.0" in out and "FINISHED" not in out, out + err[-2000:]
     assert "CollectiveTimeout" in err and "did not complete within 3 s" in err, err[-2000:]
     assert "Ranks that did not arrive: rank 1 (last at #" in err, err[-2000:]
+
+
+def test_a_store_that_fails_at_once_under_torchrun_blames_torchruns_agent(monkeypatch):
+    # after torchrun's agent was SIGKILLed, the ranks blamed rank 0 ("did not answer within
+    # 30 s") for a failure that was immediate, and in the store torchrun's agent hosts
+    import datetime
+
+    from zerolab import watchdog
+    from zerolab.comm import CollectiveTimeout
+
+    class Gone:
+        timeout = datetime.timedelta(seconds=30)
+
+        def set_timeout(self, t):
+            pass
+
+        def set(self, key, value):
+            raise RuntimeError("Connection refused")
+
+    monkeypatch.setattr(watchdog, "_store", lambda: Gone())
+    monkeypatch.setattr(watchdog.dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    monkeypatch.delenv("ZEROLAB_WORKER", raising=False)
+    with pytest.raises(CollectiveTimeout) as info:
+        watchdog.announce("all_reduce", "bucket0", 30.0)
+    message = str(info.value)
+    assert "the rendezvous store failed at once: torchrun's agent on node0" in message, message
+    assert "not another rank" in message and "rank 0" not in message, message

@@ -44,7 +44,7 @@ def check_seconds(value, name: str, allow_none: bool, where: str = "launch") -> 
     ok = (value is None and allow_none) or (not isinstance(value, bool) and isinstance(value, (int, float))
                                             and math.isfinite(value) and MIN_SECONDS <= value <= MAX_SECONDS)
     if not ok:
-        raise ValueError(f"{where}: {name} must be a finite number of seconds > 0{' or None' if allow_none else ''}"
+        raise ValueError(f"{where + ': ' if where else ''}{name} must be a finite number of seconds > 0{' or None' if allow_none else ''}"
                          f" (at least {MIN_SECONDS:g}, at most {MAX_SECONDS:g}), got {value!r}")
 
 
