@@ -182,3 +182,21 @@ def test_a_save_that_fails_leaves_no_file_of_its_own(tmp_path, monkeypatch, fail
     fresh = small_engine(seed=1)
     checkpoint.load(fresh, path)            # the previous checkpoint, whole
     assert fresh.steps == 0
+
+
+def save_into_a_directory_of_its_own(root):
+    engine = zl.ZeRO(torch.nn.Linear(4, 2), partial(torch.optim.SGD, lr=0.1), stage=2)
+    try:
+        checkpoint.save(engine, os.path.join(root, f"node{zl.rank()}"))
+    except CheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+def test_ranks_saving_into_directories_that_are_not_shared_are_told_so(tmp_path):
+    # rank 0 could not find rank 1's shard: a raw FileNotFoundError on rank 0, a collective
+    # error on rank 1; now both ranks say the same thing, and nothing is left
+    messages = zl.launch(save_into_a_directory_of_its_own, 2, args=(str(tmp_path),))
+    for message in messages:
+        assert "the ranks must save into one directory they all share" in message, messages
+    assert not [f for d in os.listdir(tmp_path) for f in os.listdir(tmp_path / d)], "no shard left"

@@ -455,3 +455,18 @@ def test_special_files_in_a_checkpoint_are_refused_at_once(tmp_path):
     for name, said in results.items():
         for outcome_ in said:
             assert outcome_.startswith("CheckpointError") and words[name] in outcome_, (name, said)
+
+
+def test_a_file_larger_than_recorded_is_not_read(pristine):
+    # a 1 GiB metadata.json (sparse: it costs no disk) is refused without being read
+    path = copy_of(pristine, "huge")
+    with open(os.path.join(path, "metadata.json"), "wb") as f:
+        f.truncate(1 << 30)
+
+    def bytes_read():                       # by this process's read() calls, all files together
+        with open("/proc/self/io") as f:
+            return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+    before = bytes_read()
+    with pytest.raises(CheckpointError, match="larger than any checkpoint metadata"):
+        checkpoint.consolidate(path)
+    assert bytes_read() - before < 1 << 20

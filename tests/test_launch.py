@@ -721,3 +721,19 @@ def _launcher_killed(tmp_path, scratch):
                          cwd=os.path.dirname(__file__), env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert not list(scratch.iterdir()), "the next launch removes what the killed one left"
+
+
+def test_start_up_tracebacks_go_to_a_private_directory_and_follow_no_link(tmp_path, monkeypatch):
+    # the start-up file was $TMPDIR/zerolab-start-<pid>.txt, opened following links: a planted
+    # link overwrote its target (on a system without protected_symlinks)
+    from zerolab import launch_startup, launch_tempdir
+    private = launch_tempdir.private_dir()
+    assert os.stat(private).st_mode & 0o777 == 0o700 and os.path.basename(private).startswith(
+        f"zerolab-launch-{os.getpid()}-")
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    os.symlink(victim, launch_startup.path(str(tmp_path), os.getpid()))
+    monkeypatch.setattr(launch_startup, "_directory", [str(tmp_path)])
+    with pytest.raises(OSError):
+        launch_startup._write("a traceback")
+    assert victim.read_text() == "precious"

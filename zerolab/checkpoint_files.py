@@ -61,8 +61,10 @@ def read_bounded(path: str, size: int, what: str = "file", exact: bool = True) -
     """The bytes of regular file `path`: exactly `size` of them (exact) or at most `size`."""
     fd = open_regular(path, what)
     with os.fdopen(fd, "rb") as f:
-        data = f.read(size + 1)
-    if len(data) > size:
+        # (a regular file says its size: one larger than allowed is not read at all; the bounded
+        # read is for one that grows meanwhile)
+        data = b"" if os.fstat(fd).st_size > size else f.read(size + 1)
+    if len(data) > size or not data and os.stat(path).st_size > size:
         raise CheckpointError(f"{path}: larger than {'the metadata records' if exact else 'any'} "
                               f"{what} ({size} bytes); changed or not a checkpoint's file")
     if exact and len(data) != size:
