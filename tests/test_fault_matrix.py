@@ -97,22 +97,26 @@ def test_every_fault_is_named_within_the_collective_timeout(kind, phase, who):
 
 # ---------------------------------------------------------------- the same faults under torchrun
 
+def _stat(pid):
+    """(state, parent pid, start time) of a process, or None: the start time tells a process
+    from a later one that reuses its pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[1]), int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _descendants(pid):
-    """Every live process below `pid` (torchrun's ranks, and what they started)."""
-    parent_of = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                if fields[0] != "Z":
-                    parent_of[int(d)] = int(fields[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    out, frontier = set(), {pid}
+    """Every live process below `pid` (torchrun's ranks, and what they started), as
+    {pid: start time}."""
+    stats = {int(d): _stat(d) for d in os.listdir("/proc") if d.isdigit()}
+    stats = {p: s for p, s in stats.items() if s is not None and s[0] != "Z"}
+    out, frontier = {}, {pid}
     while frontier:
-        frontier = {p for p, pp in parent_of.items() if pp in frontier} - out
-        out |= frontier
+        frontier = {p for p, s in stats.items() if s[1] in frontier} - set(out)
+        out.update({p: stats[p][2] for p in frontier})
     return out
 
 
@@ -150,15 +154,8 @@ def _until_named(cmd, words, limit=90.0):
 
 
 def _descendants_alive(pids):
-    alive = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    alive.append(pid)
-        except OSError:
-            pass
-    return alive
+    """Those of {pid: start time} that still run (the same processes, not a pid reused since)."""
+    return [p for p, started in pids.items() if (s := _stat(p)) is not None and s[0] != "Z" and s[2] == started]
 
 
 TORCHRUN_CASES = [("raise", 0, ["rank 0: RuntimeError: injected fault: rank 0 raises at step 3"]),

@@ -7,8 +7,10 @@ holds the fork server's socket (multiprocessing would otherwise make a pymp-* di
 traceback of a rank that fails while starting (zerolab.launch_startup). It is removed when the
 process exits.
 
-A process killed with SIGKILL removes nothing, so every launch first sweeps the directories of
-processes that no longer exist: the pid in the name says whose it was. A pid that has been
+A process killed with SIGKILL (or a Jupyter kernel shut down: its exit runs no clean-up) removes
+nothing itself; its fork server, which outlives it by a moment, removes it
+(zerolab.launch_startup_hook). Should both be killed at once, every launch first sweeps the
+directories of processes that no longer exist: the pid in the name says whose it was. A pid that has been
 reused by another process keeps its directory until that process is gone too (nothing is
 removed that might still be in use).
 """
@@ -32,10 +34,11 @@ _SOCKET_PATH_MAX = 108 if sys.platform.startswith("linux") else 104
 
 
 def private_dir() -> str:
-    """This process's private directory (made on first use, removed at exit)."""
+    """This process's private directory (made on first use, removed at exit), after sweeping
+    the directories of launchers that are gone (at every launch)."""
     pid = os.getpid()
+    sweep()
     if pid not in _mine:
-        sweep()
         path = tempfile.mkdtemp(prefix=f"{PREFIX}{pid}-")
         _mine[pid] = path
         atexit.register(_remove, path, pid)
