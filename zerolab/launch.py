@@ -207,6 +207,8 @@ def _stop(procs) -> None:
     for p in procs:
         if p.is_alive():
             p.terminate()
+            with contextlib.suppress(OSError):    # a frozen rank (SIGSTOP) takes SIGTERM once it runs
+                os.kill(p.pid, signal.SIGCONT)
     deadline = time.monotonic() + 3.0
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))

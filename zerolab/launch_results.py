@@ -137,7 +137,7 @@ def collect(procs, conns, outputs, private, timeout):
                     # an error that reports a vanished peer is worth waiting a little longer on
                     echo = any(w in value for w in _ECHOES[:3])
                     errors = {r: value}
-                    _raise_root_cause(procs, conns, outputs, private, pending - {r}, 3.0 if echo else 1.0,
+                    _raise_root_cause(procs, conns, outputs, private, pending - {r}, 3.0 if echo else 0.5,
                                       results, errors)
                     if echo and results:
                         # nobody crashed: a rank that returned left the others in a collective
