@@ -215,6 +215,13 @@ CLI_CASES = [
     (["train", "--timeout", "0"], 2, "timeout must be a finite number of seconds > 0"),
     (["train", "--collective-timeout", "-1"], 2, "collective_timeout must be a finite number of seconds > 0"),
     (["train", "--timeout", "inf"], 2, "timeout must be a finite number of seconds > 0 or None"),
+    # a raw OverflowError and a raw DistNetworkError inside the ranks, before
+    (["train", "--collective-timeout", "1e15"], 2, "collective_timeout must be a finite number of seconds > 0 (at least 1, at most 1e+08), got 1000000000000000.0"),
+    (["train", "--collective-timeout", "1e-9"], 2, "(at least 1, at most 1e+08), got 1e-09"),
+    # found only after training, before
+    (["train", "--plot", "/nonexistent/dir/loss.png"], 2, "plot: the directory '/nonexistent/dir' does not exist"),
+    # os.access says yes to /proc for root: only a write tells
+    (["train", "--save-every", "1", "--save-dir", "/proc/zerolab-ckpt"], 2, "cannot write a checkpoint there"),
     (["consolidate", "/nonexistent/ck", "out.pt"], 1, "/nonexistent/ck: no such checkpoint directory"),
     (["consolidate", "/nonexistent/ck"], 2, "the following arguments are required: out"),
     (["explode"], 2, "invalid choice: 'explode'"),

@@ -9,6 +9,7 @@ import torch
 
 import zerolab as zl
 from zerolab import checkpoint, data, models
+from zerolab.checkpoint_files import with_digest
 
 # (name, model, engine, precision); GPT nano and the awkward model (frozen, unused, tied, odd sizes)
 SPECS = [
@@ -219,7 +220,8 @@ def test_a_shard_that_would_run_code_is_refused(saved_single):
     shard.write_bytes(raw)
     meta = json.loads((path / "metadata.json").read_text())
     meta["shards"][0].update(bytes=len(raw), sha256=hashlib.sha256(raw).hexdigest())
-    (path / "metadata.json").write_text(json.dumps(meta))
+    # a crafted checkpoint: the metadata's own digest re-recorded too
+    (path / "metadata.json").write_text(json.dumps(with_digest(meta)))
     _fresh_and_check_unchanged(path, [shard.name, "weights-only"])
     assert not (path / "owned").exists()
 

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 import zerolab as zl
 from zerolab import checkpoint
+from zerolab.checkpoint_files import with_digest
 from zerolab.checkpoint_reader import CheckpointError
 
 
@@ -97,7 +98,7 @@ def rewrite_shard(path, change):
         f.write(data)
     shard["bytes"], shard["sha256"] = len(data), hashlib.sha256(data).hexdigest()
     with open(meta_path, "w") as f:
-        json.dump(meta, f)
+        json.dump(with_digest(meta), f)
 
 
 def test_a_crafted_shard_cannot_replace_what_the_optimizer_updates(tmp_path):
@@ -123,7 +124,7 @@ def test_a_shard_path_cannot_leave_the_checkpoint_directory(saved, name):
     path, original = saved
     meta = json.loads(original)
     meta["shards"][0]["file"] = name
-    write_metadata(path, json.dumps(meta).encode())
+    write_metadata(path, json.dumps(with_digest(meta)).encode())      # crafted: the digest re-recorded
     try:
         with pytest.raises(CheckpointError, match="plain file name inside the checkpoint directory"):
             checkpoint.load(small_engine(), path)
@@ -154,3 +155,48 @@ def test_a_save_directory_that_is_a_file_is_refused_before_training(tmp_path):
                           "--save-every", "1", "--save-dir", str(not_a_dir), "--no-progress"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "not a directory" in out.stderr, out.stderr[-500:]
+
+
+@pytest.mark.parametrize("failing_write", [1, 2, 3], ids=["shard", "its descriptor", "metadata"])
+def test_a_save_that_fails_leaves_no_file_of_its_own(tmp_path, monkeypatch, failing_write):
+    # a full disk: _atomic_write left its temporary file (623 KB of it on a 2 MB disk), and a
+    # failed save left its shard until the next save
+    import errno
+    path = str(tmp_path / "run")
+    engine = small_engine()
+    checkpoint.save(engine, path)
+    before = sorted(os.listdir(path))
+    one_step(engine)
+    calls, fsync = [], os.fsync
+
+    def disk_full_at_the_nth_write(fd):
+        calls.append(fd)
+        if len(calls) == failing_write:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        fsync(fd)
+    monkeypatch.setattr(os, "fsync", disk_full_at_the_nth_write)
+    with pytest.raises(OSError, match="No space left on device"):
+        checkpoint.save(engine, path)
+    monkeypatch.undo()
+    assert sorted(os.listdir(path)) == before
+    fresh = small_engine(seed=1)
+    checkpoint.load(fresh, path)            # the previous checkpoint, whole
+    assert fresh.steps == 0
+
+
+def save_into_a_directory_of_its_own(root):
+    engine = zl.ZeRO(torch.nn.Linear(4, 2), partial(torch.optim.SGD, lr=0.1), stage=2)
+    try:
+        checkpoint.save(engine, os.path.join(root, f"node{zl.rank()}"))
+    except CheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+def test_ranks_saving_into_directories_that_are_not_shared_are_told_so(tmp_path):
+    # rank 0 could not find rank 1's shard: a raw FileNotFoundError on rank 0, a collective
+    # error on rank 1; now both ranks say the same thing, and nothing is left
+    messages = zl.launch(save_into_a_directory_of_its_own, 2, args=(str(tmp_path),))
+    for message in messages:
+        assert "the ranks must save into one directory they all share" in message, messages
+    assert not [f for d in os.listdir(tmp_path) for f in os.listdir(tmp_path / d)], "no shard left"

@@ -88,6 +88,9 @@ def test_train_under_torchrun(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("zerolab train:") == 1, "only rank 0 prints the report"
     assert "world size 2" in out.stdout
+    # torchrun's agent's store listens on every interface whatever --master-addr says: the README
+    # says that zerolab warns, once, on the node that hosts it
+    assert out.stderr.count("torchrun's rendezvous store listens on every interface") == 1, out.stderr[-3000:]
 
 
 def test_killed_run_resumes_bit_exact_and_consolidates(tmp_path):
@@ -115,3 +118,105 @@ def test_killed_run_resumes_bit_exact_and_consolidates(tmp_path):
     assert sa.keys() == sb.keys() and "head.weight" in sa and "tok_emb.weight" in sa
     for key in sa:
         assert torch.equal(sa[key], sb[key]), key
+
+
+# ---- checked before training: the checkpoint to resume, the save directory, the plot, timeouts
+
+
+def _two_checkpoints(root):
+    """Two different checkpoints of the nano GPT at the same step (0): what two ranks would find
+    in two runs' directories."""
+    import functools
+
+    import torch
+
+    import zerolab as zl
+    from zerolab import checkpoint, models
+    paths = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        engine = zl.SingleProcess(models.GPT(models.gpt_config("nano")),
+                                  functools.partial(torch.optim.AdamW, lr=3e-3, weight_decay=0.0))
+        paths.append(str(root / f"run{seed}"))
+        checkpoint.save(engine, paths[-1])
+    return paths
+
+
+def _train_with_per_rank(field, values):
+    import zerolab as zl
+    from zerolab.train import TrainConfig, train_worker
+    cfg = TrainConfig(size="nano", strategy="zero2", steps=3, batch_size=2, world_size=2,
+                      **{field: values[zl.rank()]}, **({"save_every": 1} if field == "save_dir" else {}))
+    cfg.check()
+    try:
+        train_worker(cfg)
+    except ValueError as e:
+        return str(e)
+    return "trained"
+
+
+def test_ranks_resuming_different_checkpoints_stop_before_training(tmp_path):
+    # the plan said only "resume: True": rank 0 with one run's checkpoint and rank 1 with
+    # another's, at the same step, trained a mixture of both and exited 0
+    import zerolab as zl
+    a, b = _two_checkpoints(tmp_path)
+    messages = zl.launch(_train_with_per_rank, 2, args=("resume", [a, b]))
+    for message in messages:
+        assert message.startswith("the ranks' training plans differ: #11 is resume = 'step 0, sha256 "), messages
+
+
+def test_a_save_directory_not_shared_by_every_rank_stops_before_training(tmp_path):
+    # a --save-dir of its own per node failed only at the first save (a raw FileNotFoundError)
+    import zerolab as zl
+    dirs = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    messages = zl.launch(_train_with_per_rank, 2, args=("save_dir", dirs))
+    for message in messages:
+        assert "does not see the files the other ranks write there" in message, messages
+    assert not [f for d in dirs for f in os.listdir(d)], "the probes are removed"
+
+
+def test_ctrl_c_ends_with_one_line_and_where_to_resume(tmp_path):
+    import signal
+    import time
+    ckpt = tmp_path / "ck"
+    proc = subprocess.Popen([sys.executable, "-m", "zerolab", "train", "--world-size", "2", "--size", "nano",
+                             "--steps", "100000", "--batch-size", "2", "--save-every", "1", "--save-dir", str(ckpt),
+                             "--plot", "", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL) for s in (signal.SIGINT, signal.SIGHUP)])
+    deadline = time.monotonic() + 120
+    while not (ckpt / "metadata.json").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)          # a terminal's Ctrl-C reaches the whole job
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-2000:]
+    assert f"zerolab train: interrupted: the last checkpoint is in {ckpt}; continue with --resume {ckpt}" in err, err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+
+
+def test_timeout_is_honoured_under_torchrun(tmp_path):
+    # a 5 s --timeout ran 40 s to the end under torchrun, without a word. Under torchrun (RANK and
+    # WORLD_SIZE set) zl.launch runs in place: the same path with one rank, started here by hand.
+    # The run would take hours; the whole job's 5 s end it
+    import signal
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    proc = subprocess.Popen([sys.executable, "-m", "zerolab", "train", "--size", "nano", "--steps", "1000000",
+                             "--batch-size", "2", "--plot", "", "--no-progress", "--timeout", "5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                            start_new_session=True, env=env)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 1, out[-3000:]
+    assert "zerolab train: error: launch: rank 0 did not finish within the timeout of 5 s" in out, out[-3000:]

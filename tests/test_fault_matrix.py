@@ -97,10 +97,35 @@ def test_every_fault_is_named_within_the_collective_timeout(kind, phase, who):
 
 # ---------------------------------------------------------------- the same faults under torchrun
 
+def _stat(pid):
+    """(state, parent pid, start time) of a process, or None: the start time tells a process
+    from a later one that reuses its pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[1]), int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _descendants(pid):
+    """Every live process below `pid` (torchrun's ranks, and what they started), as
+    {pid: start time}."""
+    stats = {int(d): _stat(d) for d in os.listdir("/proc") if d.isdigit()}
+    stats = {p: s for p, s in stats.items() if s is not None and s[0] != "Z"}
+    out, frontier = {}, {pid}
+    while frontier:
+        frontier = {p for p, s in stats.items() if s[1] in frontier} - set(out)
+        out.update({p: stats[p][2] for p in frontier})
+    return out
+
+
 def _until_named(cmd, words, limit=90.0):
-    """Run cmd in a session of its own until its output holds one of `words` or it exits; then kill
-    whatever is left (a SIGSTOPped rank waits for torchrun's 30 s grace otherwise). Returns the
-    seconds it took to say `words` (None if never) and the output."""
+    """Run cmd until its output holds one of `words` or it exits; then SIGKILL torchrun's agent
+    alone, as an operator or a scheduler would, and check that its ranks die with it (a rank
+    frozen by SIGSTOP included: zerolab.launch_in_place asks the kernel to kill them). Returns the
+    seconds it took to say `words` (None if never), the output, and the ranks that outlived the
+    agent (killed here all the same, so that the suite leaves nothing behind)."""
     import subprocess
     import threading
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -115,13 +140,22 @@ def _until_named(cmd, words, limit=90.0):
         if proc.poll() is not None and not reader.is_alive():
             break
         time.sleep(0.1)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    ranks = _descendants(proc.pid)
+    proc.kill()
     proc.wait(30)
+    deadline = time.monotonic() + 30
+    while _descendants_alive(ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _descendants_alive(ranks)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
     reader.join(5)
-    return took, "".join(lines)
+    return took, "".join(lines), left
+
+
+def _descendants_alive(pids):
+    """Those of {pid: start time} that still run (the same processes, not a pid reused since)."""
+    return [p for p, started in pids.items() if (s := _stat(p)) is not None and s[0] != "Z" and s[2] == started]
 
 
 TORCHRUN_CASES = [("raise", 0, ["rank 0: RuntimeError: injected fault: rank 0 raises at step 3"]),
@@ -146,6 +180,8 @@ def test_under_torchrun_every_fault_is_named_within_the_collective_timeout(kind,
            "127.0.0.1", "--master-port", str(port), "-m", "zerolab", "train", "--strategy", "zero2",
            "--size", "nano", "--steps", "6", "--batch-size", "2", "--plot", "", "--no-progress",
            "--fault", f"{kind}@3:{who}", "--collective-timeout", str(TIMEOUT)]
-    took, text = _until_named(cmd, words)
+    took, text, left = _until_named(cmd, words)
     assert took is not None, text[-3000:]
     assert took < BOUND, f"{kind} on rank {who} under torchrun: {took:.1f} s"
+    # (before, the SIGSTOPped rank of the "stop" case stayed forever, one per suite run)
+    assert not left, f"{left} outlived torchrun's agent"

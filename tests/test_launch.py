@@ -223,6 +223,7 @@ def test_rank_that_raises_is_named_with_traceback():
 @pytest.mark.parametrize("worker, bad_rank, how", [(exit_on_rank_1, 1, "exited with code 7"),
                                                    (sigkill_rank_0, 0, "SIGKILL")])
 def test_rank_that_dies_is_named_and_nothing_is_left(worker, bad_rank, how):
+    zl.launch(add, 2, args=(0, 0))     # the fork server and resource tracker stay: started before
     before = set(_children())
     start = time.monotonic()
     with pytest.raises(zl.LaunchError) as info:
@@ -535,3 +536,227 @@ def test_a_rank_that_fails_while_starting_shows_its_traceback_in_the_error(tmp_p
     assert "exited with code 1 before returning a result" in error, out.stderr[-2000:]
     assert "it failed while starting (before fn was called)" in error and words in error, error
     assert not list(scratch.iterdir()), "no start-up file or log left behind"
+
+
+# ---- rank 0's output as it comes; the others' bounded; every rank's finding in the error
+
+
+class _Watching:
+    """A stand-in for sys.stdout that creates `flag` once it has been sent `line`."""
+
+    def __init__(self, line, flag):
+        self.line, self.flag, self.text = line, flag, ""
+
+    def write(self, text):
+        self.text += text
+        if self.line in self.text and not os.path.exists(self.flag):
+            open(self.flag, "w").close()
+        return len(text)
+
+    def flush(self):
+        pass
+
+
+def print_then_wait_to_be_seen(flag, seconds):
+    if zl.rank() == 0:
+        print("half-way there")            # a plain print: no flush, no newline tricks
+        deadline = time.monotonic() + seconds
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return os.path.exists(flag)        # the parent showed the line while this rank still ran
+    return None
+
+
+def test_rank_0s_lines_are_shown_while_the_launch_runs(tmp_path, monkeypatch, no_output_env):
+    flag = str(tmp_path / "seen")
+    watcher = _Watching("[rank 0] half-way there\n", flag)
+    monkeypatch.setattr(sys, "stdout", watcher)
+    values = zl.launch(print_then_wait_to_be_seen, 2, args=(flag, 30.0))
+    monkeypatch.undo()
+    assert values == [True, None], "rank 0's line reached the terminal only when the launch ended"
+    assert watcher.text == "[rank 0] half-way there\n", "and it is shown once"
+
+
+def print_a_lot(megabytes):
+    if zl.rank() == 1:
+        line = "x" * 1023 + "\n"
+        for _ in range(megabytes * 1024):
+            sys.stdout.write(line)
+        print("the last line of rank 1")
+    return zl.rank()
+
+
+def test_a_rank_that_prints_a_lot_costs_the_parent_bounded_memory(tmp_path):
+    # in a fresh process, so that its peak resident memory says what this launch cost
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(f"""
+        import resource, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        import zerolab as zl
+        from test_launch import print_a_lot
+        if __name__ == "__main__":
+            zl.launch(print_a_lot, 2, args=(1,), output="all")     # everything warmed up
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            zl.launch(print_a_lot, 2, args=(100,), output="all")   # rank 1 prints 100 MB
+            after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            print("GREW_KB", after - before, file=sys.stderr)
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    grew = int(out.stderr.split("GREW_KB")[1].split()[0]) / 1024
+    # held whole, 200 MB of output cost the parent 1.3 GB (100 MB: 0.5 GB); kept bounded, the last
+    # 1 MiB per stream
+    assert grew < 50, f"the parent grew by {grew:.0f} MB"
+    tail = out.stdout[-200_000:]
+    assert "[rank 1] the last line of rank 1\n" in tail and "earlier characters not kept)" in out.stdout
+
+
+def both_ranks_raise():
+    dist.barrier()
+    raise FloatingPointError(f"what rank {zl.rank()} found")
+
+
+def test_ranks_that_raise_together_are_all_quoted():
+    # whichever rank's error arrives first, the other's finding is in the message too
+    with pytest.raises(zl.LaunchError) as info:
+        zl.launch(both_ranks_raise, 2, output="none")
+    message = str(info.value)
+    assert "what rank 0 found" in message and "what rank 1 found" in message, message
+    assert "Traceback" in message and "raised as well" in message
+
+
+class Boost(torch.nn.Module):
+    def forward(self, x):
+        return x * (1e6 if zl.rank() == 1 else 1.0)    # fp16 overflows on rank 1 only
+
+
+def fp16_overflows_on_rank_1():
+    from collections import OrderedDict
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(OrderedDict(proj=torch.nn.Linear(4, 4), boost=Boost(), head=torch.nn.Linear(4, 1)))
+    engine = zl.DDP(model, functools.partial(torch.optim.SGD, lr=0.1), precision="fp16")
+    for _ in range(100):
+        engine.backward(engine(torch.randn(2, 4)).float().sum())
+        engine.step()
+        engine.zero_grad()
+
+
+def test_the_fp16_give_up_quotes_the_rank_that_found_the_module():
+    # rank 0's forward is finite, so it says "the overflow is in the backward"; rank 1 names the
+    # module. Before, the launch quoted whichever error arrived first: rank 0's in 2 runs of 4
+    with pytest.raises(zl.LaunchError) as info:
+        zl.launch(fp16_overflows_on_rank_1, 2, output="none")
+    assert "boost produced inf" in str(info.value), str(info.value)[-3000:]
+
+
+# ---- the launching process dies: nothing of the launch stays
+
+
+def stop_rank_1_and_sleep(pid_dir):
+    with open(os.path.join(pid_dir, f"rank{zl.rank()}"), "w") as f:
+        f.write(str(os.getpid()))
+    if zl.rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)     # frozen: none of its own code can end it
+    time.sleep(3600)
+
+
+def _started(pid):
+    """When process `pid` started (clock ticks since boot), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _descendants(pid):
+    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+    pairs = [tuple(map(int, l.split())) for l in out.strip().splitlines()]
+    kids, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in pairs if pp in frontier} - kids
+        kids |= frontier
+    return kids
+
+
+def test_a_launcher_killed_with_sigkill_leaves_no_process_and_no_file(tmp_path):
+    import pathlib
+    import shutil
+    import tempfile
+    # a short $TMPDIR: the fork server's socket is in the launcher's directory, within a Unix
+    # socket's 108 bytes (under a long one it is multiprocessing's pymp-* directory again)
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="zl-test-", dir="/tmp"))
+    try:
+        _launcher_killed(tmp_path, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _launcher_killed(tmp_path, scratch):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    script = tmp_path / "job.py"
+    script.write_text("import sys\nsys.path.insert(0, %r)\nimport zerolab as zl\n"
+                      "from test_launch import stop_rank_1_and_sleep\n"
+                      "if __name__ == '__main__':\n    zl.launch(stop_rank_1_and_sleep, 2, args=(%r,))\n"
+                      % (os.path.dirname(__file__), str(pids)))
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    proc = subprocess.Popen([sys.executable, str(script)], env=env)
+    deadline = time.monotonic() + 120
+    while len(os.listdir(pids)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(os.listdir(pids)) == 2, "the ranks did not start"
+    frozen = int((pids / "rank1").read_text())
+    for _ in range(100):                     # rank 1 has stopped itself
+        with open(f"/proc/{frozen}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                break
+        time.sleep(0.05)
+    launched = {p: _started(p) for p in _descendants(proc.pid)}   # ranks, fork server, resource tracker
+    assert frozen in launched and len(launched) >= 4, launched
+
+    def still_running():                     # (the same processes: not a pid reused since)
+        return [p for p, started in launched.items() if _alive(p) and _started(p) == started]
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while still_running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = still_running()
+    for p in left:                           # (the test leaves nothing behind either way)
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"{left} outlived the launcher (rank 1, frozen: {frozen})"
+    # its fork server removed the launcher's private directory as it ended
+    assert not list(scratch.iterdir()), list(scratch.iterdir())
+
+
+def test_a_launch_sweeps_the_directories_of_launchers_that_are_gone():
+    # a launcher and its fork server killed together (a Jupyter kernel's process group, shut
+    # down) leave their private directory: the next launch removes it; a live one's stays
+    import tempfile
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    gone = tempfile.mkdtemp(prefix=f"zerolab-launch-{dead.pid}-")
+    alive = tempfile.mkdtemp(prefix=f"zerolab-launch-{os.getppid()}-")
+    try:
+        assert zl.launch(add, 2, args=(1, 2)) == [3, 4]
+        assert not os.path.exists(gone) and os.path.isdir(alive)
+    finally:
+        os.rmdir(alive)
+
+
+def test_start_up_tracebacks_go_to_a_private_directory_and_follow_no_link(tmp_path, monkeypatch):
+    # the start-up file was $TMPDIR/zerolab-start-<pid>.txt, opened following links: a planted
+    # link overwrote its target (on a system without protected_symlinks)
+    from zerolab import launch_startup, launch_tempdir
+    private = launch_tempdir.private_dir()
+    assert os.stat(private).st_mode & 0o777 == 0o700 and os.path.basename(private).startswith(
+        f"zerolab-launch-{os.getpid()}-")
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    os.symlink(victim, launch_startup.path(str(tmp_path), os.getpid()))
+    monkeypatch.setattr(launch_startup, "_directory", [str(tmp_path)])
+    with pytest.raises(OSError):
+        launch_startup._write("a traceback")
+    assert victim.read_text() == "precious"

@@ -66,8 +66,13 @@ def consolidate_main(args) -> int:
         print(f"zerolab consolidate: error: {exc}", file=sys.stderr)
         return 1
     tmp = f"{args.out}.tmp-{os.getpid()}"
-    torch.save(state, tmp)
-    os.replace(tmp, args.out)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, args.out)
+    except BaseException:   # a full disk, a missing directory, Ctrl-C: no half-written file is left
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     n = sum(t.numel() for k, t in state.items() if t.is_floating_point())
     print(f"zerolab consolidate: {len(state)} tensors ({n:,} values, fp32) written to {args.out}")
     return 0

@@ -7,7 +7,8 @@
 A checkpoint is a directory:
 
     metadata.json                  the layout: every parameter's name, shape, and which file
-                                   holds which element range of it; written LAST
+                                   holds which element range of it, each file's size and
+                                   SHA-256, and its own SHA-256 over all of that; written LAST
     shard-<id>-00000-of-00002.pt   what rank 0 owns: for each piece (parameter name, lo, hi)
                                    its fp32 master values and optimizer state; rank 0's file
                                    also holds the buffers; every file holds its rank's step
@@ -30,25 +31,25 @@ replaced atomically only after every rank has written its shard. Until that rena
 metadata still points at the old, untouched shards. Old shards are removed after it.
 
 Loading never runs code (zerolab.checkpoint_reader): shards are read with
-torch.load(weights_only=True) and the metadata is JSON. A missing, truncated or corrupt shard
-(checked against the size and SHA-256 recorded in the metadata) or a model that does not match
-raises CheckpointError naming the file and what is wrong, before anything in the engine has
-changed.
+torch.load(weights_only=True) and the metadata is JSON. The metadata's digest covers the shards'
+sizes and SHA-256s, so a changed byte anywhere is found; only regular files inside the directory
+are read, each with a bound. A missing, truncated, corrupt or crafted file, a model or optimizer
+that does not match, a hyperparameter out of range raise CheckpointError naming the file and what
+is wrong, before anything in the engine has changed (zerolab.checkpoint_validate). A save that
+fails leaves no file of its own behind.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
 import os
 import random
 import secrets
-import shutil
 
 import torch
 
-from .checkpoint_reader import FORMAT, METADATA, CheckpointError, Reader, _check_path, check_save_dir, file_digest
+from . import checkpoint_writer
+from .checkpoint_reader import METADATA, CheckpointError, Reader, _check_path, check_save_dir  # noqa: F401 (CheckpointError: zl.checkpoint.CheckpointError)
+from .checkpoint_validate import check_fits
 from .engines.base import Engine
 
 
@@ -111,41 +112,7 @@ def _refresh_compute(engine, reader):
     engine.refresh_compute(lambda flat, p: reader.fill(flat, names[id(p)], 0, p.numel(), "value"))
 
 
-# ------------------------------------------------------------------ saving
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _link(src: str, directory: str, name: str) -> dict:
-    """Put file `src` (an offload file) into the checkpoint as `name` without reading it into
-    memory: a hard link (no byte copied) where both are on one file system, else a copy. The
-    offload engine replaces its files and never writes one in place, so the link keeps the
-    bytes of this save. Returns the file's entry in the metadata: name, size and SHA-256."""
-    dst = os.path.join(directory, name)
-    try:
-        os.link(src, dst)
-    except OSError:                 # another file system, or one without hard links
-        tmp = f"{dst}.tmp-{os.getpid()}"
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
-    with open(dst, "rb") as f:
-        os.fsync(f.fileno())        # (the engine never syncs its files; a checkpoint must survive a power cut)
-    size, sha256 = file_digest(dst)
-    return {"file": name, "bytes": size, "sha256": sha256}
-
-
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+# ------------------------------------------------------------------ saving (zerolab.checkpoint_writer)
 
 
 def _set_rng_state(state: dict) -> None:
@@ -206,89 +173,13 @@ def save(engine, path, extra: dict | None = None) -> str:
     # one fresh id per save, the same on every rank: rank 0's random number wins
     token = _agree(engine, secrets.randbits(62) if rank == 0 else 0, "max")
     sid = f"{engine.steps:08d}-{token:016x}"
-
-    optimizer = engine.optimizer
-    pieces = []
-    in_files = engine.checkpoint_files()   # offload="disk": tensors whose bytes are in files
-    linked: dict = {}                      # such a file -> its entry in this shard's "files"
-
-    def values(t, t_lo, n, cast):
-        """Elements [t_lo, t_lo + n) of t: a CPU copy, or where they are in a linked file."""
-        if id(t) not in in_files:
-            v = t.detach().reshape(-1)[t_lo:t_lo + n]
-            return (v.float() if cast else v).cpu().clone()
-        src, offset = in_files[id(t)]
-        if src not in linked:
-            linked[src] = _link(src, path, f"shard-{sid}-{rank:05d}-{os.path.basename(src)}")
-        return {"file": linked[src]["file"], "dtype": str(t.dtype).replace("torch.", ""),
-                "offset": offset + t_lo}
-
-    with torch.no_grad():
-        for t, t_lo, name, lo, hi in opt_segments:
-            n = hi - lo
-            piece = {"name": name, "lo": lo, "hi": hi, "value": values(t, t_lo, n, True),
-                     "state": {}, "scalars": {}}
-            for k, v in optimizer.state.get(t, {}).items():
-                if isinstance(v, torch.Tensor) and v.shape == t.shape:
-                    piece["state"][k] = values(v, t_lo, n, False)
-                else:
-                    piece["scalars"][k] = v.cpu().clone() if isinstance(v, torch.Tensor) else v
-            pieces.append(piece)
-        for t, t_lo, name, lo, hi in frozen_segments:
-            pieces.append({"name": name, "lo": lo, "hi": hi, "state": {}, "scalars": {},
-                           "value": values(t, t_lo, hi - lo, True)})
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    content = {
-        "format": FORMAT, "rank": rank, "world_size": size, "pieces": pieces,
-        "buffers": ({n: b.detach().cpu().clone() for n, b in engine.model.named_buffers()}
-                    if rank == 0 else {}),
-        "steps": int(engine.steps), "precision": engine.precision.state_dict(),
-        "param_groups": groups, "rng": _rng_state(), "extra": extra or {},
-    }
-    buf = io.BytesIO()
-    torch.save(content, buf)
-    data = buf.getvalue()
-    fname = f"shard-{sid}-{rank:05d}-of-{size:05d}.pt"
-    _atomic_write(os.path.join(path, fname), data)
-    desc = {"file": fname, "rank": rank, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-            "pieces": [[p["name"], p["lo"], p["hi"]] for p in pieces], "files": list(linked.values())}
-    _atomic_write(os.path.join(path, fname + ".json"), json.dumps(desc).encode())
-
-    # every shard is on disk before rank 0 writes the metadata that names them
-    _agree(engine, 1, "min")
-    meta_path = os.path.join(path, METADATA)
-    if rank == 0:
-        shards = []
-        for r in range(size):
-            with open(os.path.join(path, f"shard-{sid}-{r:05d}-of-{size:05d}.pt.json")) as f:
-                shards.append(json.load(f))
-        model = engine.model
-        sd = model.state_dict(keep_vars=True)
-        names = _names(model)
-        meta = {
-            "format": FORMAT, "engine": kind, "world_size": size, "steps": int(engine.steps),
-            "precision": engine.precision.name,
-            "params": {n: {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""),
-                           "trainable": p.requires_grad} for n, p in model.named_parameters()},
-            "buffers": [n for n, _ in model.named_buffers()],
-            # state_dict key -> the parameter it is (tied weights: several keys, one name)
-            "keys": {k: names.get(id(t), k) for k, t in sd.items()},
-            "shards": shards,
-        }
-        _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
-        # the new checkpoint is in place: shards of earlier saves are garbage now
-        keep = {s["file"] for s in shards} | {s["file"] + ".json" for s in shards} | {METADATA}
-        keep |= {f["file"] for s in shards for f in s["files"]}
-        # (every rank has renamed its shard into place, so a file still named *.tmp-PID is left
-        # over from a save that was interrupted: it goes too)
-        for f in os.listdir(path):
-            if (f.startswith("shard-") and f not in keep) or f.startswith(METADATA + ".tmp-"):
-                try:
-                    os.remove(os.path.join(path, f))
-                except FileNotFoundError:
-                    pass
-    _agree(engine, 1, "min")   # nobody returns before the metadata is in place
-    return meta_path
+    mine: list = []     # the files this save has written: removed if it fails before it is published
+    try:
+        return checkpoint_writer.write(engine, path, extra, sid, kind, rank, size, opt_segments, frozen_segments,
+                                       mine, lambda value, op: _agree(engine, value, op))
+    except BaseException:
+        checkpoint_writer.remove_unpublished(path, mine)
+        raise
 
 
 # ------------------------------------------------------------------ loading
@@ -306,25 +197,14 @@ def load(engine, path) -> dict:
     kind = _kind(engine)
     _check_no_model_parallelism(engine, "load")
     rank, size = _rank_size(engine)
-    # read and check everything before changing anything
+    # read and check everything before changing anything (zerolab.checkpoint_validate)
     reader = Reader(path)
-    reader.check_model(engine.model)
-    reader.check_all()
     same = reader.meta["world_size"] == size and reader.meta["engine"] == kind
     own = rank if reader.meta["world_size"] == size else 0
+    reader.check_model(engine.model)
     info = reader.shard(own)
-    if info["precision"]["precision"] != engine.precision.name:
-        raise CheckpointError(f"{reader.meta_path}: saved with precision {info['precision']['precision']!r}, "
-                              f"the engine uses {engine.precision.name!r}")
-    saved_buffers = reader.shard(0)["buffers"]
-    for n, b in engine.model.named_buffers():
-        if n not in saved_buffers or saved_buffers[n].shape != b.shape:
-            raise CheckpointError(f"{reader.meta_path}: buffer {n!r} is missing from rank 0's shard "
-                                  "or has another shape")
-    if len(info["param_groups"]) != len(engine.optimizer.param_groups):
-        raise CheckpointError(f"{reader.meta_path}: the optimizer has {len(engine.optimizer.param_groups)} "
-                              f"param groups, the checkpoint {len(info['param_groups'])}")
     opt_segments, frozen_segments, _, _ = engine.optimizer_segments(_names(engine.model))
+    check_fits(engine, reader, info, opt_segments, restore_rng=same)
     optimizer = engine.optimizer
     with torch.no_grad():
         by_tensor: dict = {}
@@ -342,7 +222,8 @@ def load(engine, path) -> dict:
         for n, b in engine.model.named_buffers():
             b.copy_(buffers[n])
         for g, saved in zip(optimizer.param_groups, info["param_groups"]):
-            # hyperparameters only (lr, weight decay...): what the optimizer updates is the engine's
+            # hyperparameters only (lr, weight decay...), range-checked: what the optimizer
+            # updates and how (maximize, amsgrad...) are the engine's
             g.update({k: v for k, v in saved.items() if k in g and k != "params"})
         _refresh_compute(engine, reader)
     engine.steps = int(info["steps"])

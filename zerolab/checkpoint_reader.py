@@ -9,24 +9,27 @@ its docstring); load and consolidate read it through a Reader:
     reader.check_all()                        # every shard read and verified, every element covered
 
 Shards are read on demand and only with torch.load(weights_only=True), so loading never runs
-code; each is checked against the size and SHA-256 the metadata records.
+code; each is checked against the size and SHA-256 the metadata records, and the metadata
+against its own digest (zerolab.checkpoint_files: only regular files inside the directory, read
+with a bound). Then every field is checked before it is used: a malformed or crafted file is a
+CheckpointError naming the file and the field, never a raw KeyError, RecursionError or MemoryError.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
-import json
+import secrets
 import os
 
 import torch
 
-FORMAT = 1
-METADATA = "metadata.json"
+from .checkpoint_files import (METADATA, CheckpointError, file_digest, open_regular, read_bounded,
+                               read_metadata)
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be saved or loaded; the message names the file and the problem."""
+FORMAT = 2          # 2: the metadata is covered by a digest and records its buffers' shapes
+__all__ = ["FORMAT", "METADATA", "CheckpointError", "Reader", "check_save_dir", "probe_save_dir", "file_digest",
+           "identity"]
 
 
 def _check_path(path, what="path"):
@@ -49,6 +52,32 @@ def check_save_dir(path) -> str:
     return path
 
 
+def probe_save_dir(path) -> str:
+    """check_save_dir, then the proof: the directory is made if it is missing, a file is written
+    into it and removed, and every directory made is removed again. (os.access says yes to /proc
+    and to read-only mounts for root; only a write tells.)"""
+    path = check_save_dir(path)
+    made, at = [], os.path.abspath(path)
+    while not os.path.exists(at):
+        made.append(at)
+        at = os.path.dirname(at)
+    probe = os.path.join(path, f".zerolab-probe-{secrets.token_hex(8)}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot write a checkpoint there ({e.strerror})") from None
+    finally:
+        for d in made:                       # the deepest first
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+    return path
+
+
 # ------------------------------------------------------------------ what a valid checkpoint holds
 #
 # Every field is checked before it is used, so a malformed or crafted file is a CheckpointError
@@ -65,27 +94,41 @@ def _is_int(x, low=0) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= low
 
 
+def _dtype(name, floating=False):
+    """The torch dtype called `name` ("float32", "int64"...), or None."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype) or (floating and not dtype.is_floating_point):
+        return None
+    return dtype
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, list) and len(x) <= 64 and all(_is_int(d) for d in x)
+
+
 def _check_metadata(meta) -> None:
     _need(isinstance(meta, dict), "the top level is not an object")
     _need(meta.get("format") == FORMAT, f"format {meta.get('format')!r}, expected {FORMAT}")
     _need(_is_int(meta.get("world_size"), 1), "world_size must be an int >= 1")
     _need(_is_int(meta.get("steps")), "steps must be an int >= 0")
-    _need(isinstance(meta.get("engine"), str) and isinstance(meta.get("precision"), str),
-          "engine and precision must be strings")
+    _need(isinstance(meta.get("engine"), str) and meta.get("precision") in ("fp32", "bf16", "fp16"),
+          "engine must be a string and precision one of fp32, bf16, fp16")
     params = meta.get("params")
     _need(isinstance(params, dict), "params must be an object")
     for name, info in params.items():
-        _need(isinstance(info, dict) and isinstance(info.get("shape"), list)
-              and all(_is_int(d) for d in info["shape"]) and isinstance(info.get("trainable"), bool)
-              and isinstance(info.get("dtype"), str), f"params[{name!r}] must have shape, dtype, trainable")
-    _need(isinstance(meta.get("buffers"), list) and all(isinstance(b, str) for b in meta["buffers"]),
-          "buffers must be a list of names")
-    _need(isinstance(meta.get("keys"), dict) and all(isinstance(k, str) and isinstance(v, str)
-                                                      for k, v in meta["keys"].items()), "keys must map names to names")
+        _need(isinstance(info, dict) and _is_shape(info.get("shape")) and isinstance(info.get("trainable"), bool)
+              and _dtype(info.get("dtype"), floating=True) is not None,
+              f"params[{name!r}] must have a shape, a floating dtype and trainable")
+    buffers = meta.get("buffers")
+    _need(isinstance(buffers, dict) and all(isinstance(b, dict) and _is_shape(b.get("shape"))
+                                            and _dtype(b.get("dtype")) is not None for b in buffers.values()),
+          "buffers must map names to a shape and a dtype")
+    _need(not set(buffers) & set(params), "a name is both a parameter and a buffer")
+    _check_keys(meta.get("keys"), params, buffers)
     shards = meta.get("shards")
     _need(isinstance(shards, list) and len(shards) == meta["world_size"], "one shard per rank")
-    _need(sorted(s.get("rank") for s in shards if isinstance(s, dict)) == list(range(len(shards))),
-          "shard ranks must be 0 .. world_size - 1")
+    _need([s.get("rank") if isinstance(s, dict) else None for s in shards] == list(range(len(shards))),
+          "shards must be listed in rank order, 0 .. world_size - 1")
     for s in shards:
         f = s.get("file")
         _check_file_entry(s, "shard")
@@ -95,9 +138,26 @@ def _check_metadata(meta) -> None:
             _check_file_entry(entry, "linked")
         _need(isinstance(s.get("pieces"), list), f"shard {f!r} must list its pieces")
         for piece in s["pieces"]:
-            _need(isinstance(piece, list) and len(piece) == 3 and piece[0] in params
+            _need(isinstance(piece, list) and len(piece) == 3 and isinstance(piece[0], str) and piece[0] in params
                   and _is_int(piece[1]) and _is_int(piece[2]) and piece[1] < piece[2]
                   <= _numel(params[piece[0]]["shape"]), f"piece {piece!r} of shard {f!r} is out of range")
+    names = [e["file"] for s in shards for e in [s, *s.get("files", [])]]
+    _need(len(names) == len(set(names)) and METADATA not in names, "a file is listed twice")
+
+
+def _check_keys(keys, params, buffers) -> None:
+    """The state_dict's keys: a parameter's own key names it, a tied weight's other keys name the
+    parameter they share, a (persistent) buffer's key names itself; every parameter has a key."""
+    _need(isinstance(keys, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in keys.items()),
+          "keys must map names to names")
+    for key, name in keys.items():
+        if name in params:
+            _need(key == name or key not in params and key not in buffers,
+                  f"keys[{key!r}] = {name!r}: a parameter's or buffer's own key must name itself")
+        else:
+            _need(key == name and key in buffers, f"keys[{key!r}] = {name!r} is neither a parameter nor a buffer")
+    missing = set(params) - set(keys.values())
+    _need(not missing, f"keys: parameter(s) {sorted(missing)[:3]} have no key")
 
 
 def _check_file_entry(entry, what) -> None:
@@ -112,16 +172,6 @@ def _check_file_entry(entry, what) -> None:
           f"{what} file {f!r} must record its size and SHA-256")
 
 
-def file_digest(path) -> tuple[int, str]:
-    """(size, SHA-256) of a file, read a block at a time (a linked file may be the model)."""
-    digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-            size += len(block)
-    return size, digest.hexdigest()
-
-
 # the dtypes a linked file may hold, and their names in a piece's reference
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -130,7 +180,7 @@ def _is_values(x, n, files) -> bool:
     """A piece's values: a 1-D tensor of n elements, or a reference {file, dtype, offset} to n
     elements inside one of the shard's linked files."""
     if isinstance(x, torch.Tensor):
-        return x.dim() == 1 and x.numel() == n
+        return x.dim() == 1 and x.numel() == n and x.dtype.is_floating_point and x.layout == torch.strided
     return (isinstance(x, dict) and set(x) == {"file", "dtype", "offset"} and x["file"] in files
             and x["dtype"] in DTYPES and _is_int(x["offset"])
             and (x["offset"] + n) * DTYPES[x["dtype"]].itemsize <= files[x["file"]])
@@ -143,29 +193,45 @@ def _numel(shape) -> int:
     return n
 
 
-def _check_shard(content, listed, files) -> None:
+def _check_shard(content, entry, meta, files) -> None:
+    listed = entry["pieces"]
     _need(isinstance(content, dict) and content.get("format") == FORMAT, "not a zerolab shard")
+    _need(_is_int(content.get("rank")) and content["rank"] == entry["rank"] and _is_int(content.get("world_size"))
+          and content["world_size"] == meta["world_size"],
+          "its rank or world size is not the metadata's")
     pieces = content.get("pieces")
     _need(isinstance(pieces, list) and len(pieces) == len(listed), "not the pieces the metadata lists")
     for piece, (name, lo, hi) in zip(pieces, listed):
         _need(isinstance(piece, dict) and [piece.get("name"), piece.get("lo"), piece.get("hi")] == [name, lo, hi],
               f"piece {name!r} [{lo}, {hi}) is not where the metadata says")
-        _need(isinstance(piece.get("state"), dict), f"piece {name!r}: state malformed")
+        _need(isinstance(piece.get("state"), dict) and all(isinstance(k, str) for k in piece["state"]),
+              f"piece {name!r}: state malformed")
         values = [piece.get("value")] + list(piece["state"].values())
-        _need(all(_is_values(v, hi - lo, files) for v in values) and isinstance(piece.get("scalars"), dict),
-              f"piece {name!r} holds tensors of the wrong size, or points outside its files")
-    _need(_is_int(content.get("steps")) and isinstance(content.get("extra"), dict)
-          and isinstance(content.get("rng"), dict) and isinstance(content.get("buffers"), dict)
-          and isinstance(content.get("precision"), dict), "steps, extra, rng, buffers or precision malformed")
-    _need(isinstance(content["precision"].get("precision"), str), "precision malformed")
+        _need(all(_is_values(v, hi - lo, files) for v in values) and isinstance(piece.get("scalars"), dict)
+              and all(isinstance(k, str) for k in piece["scalars"]),
+              f"piece {name!r} holds tensors of the wrong size or kind, or points outside its files")
+    _need(content.get("steps") == meta["steps"] and _is_int(content.get("steps")),
+          f"steps {content.get('steps')!r}, the metadata records {meta['steps']}")
+    _need(isinstance(content.get("extra"), dict) and isinstance(content.get("rng"), dict)
+          and isinstance(content.get("buffers"), dict) and isinstance(content.get("precision"), dict),
+          "extra, rng, buffers or precision malformed")
+    _need(content["precision"].get("precision") == meta["precision"],
+          f"precision {content['precision'].get('precision')!r}, the metadata records {meta['precision']!r}")
     rng = content["rng"]
     _need(isinstance(rng.get("torch"), torch.Tensor) and rng["torch"].dtype == torch.uint8
           and rng["torch"].shape == torch.get_rng_state().shape
           and isinstance(rng.get("python"), (tuple, list)) and len(rng["python"]) == 3, "rng states malformed")
-    _need(all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in content["buffers"].items()),
-          "buffers malformed")
+    buffers, saved = content["buffers"], meta["buffers"]
+    if entry["rank"] == 0:             # rank 0's shard holds the buffers: exactly the recorded ones
+        _need(set(buffers) == set(saved), "its buffers are not the ones the metadata records")
+        for n, b in buffers.items():
+            _need(isinstance(b, torch.Tensor) and list(b.shape) == saved[n]["shape"]
+                  and b.dtype == _dtype(saved[n]["dtype"]), f"buffer {n!r} is not the shape or dtype recorded")
+    else:
+        _need(buffers == {}, "buffers are rank 0's to hold")
     groups = content.get("param_groups")
-    _need(isinstance(groups, list) and all(isinstance(g, dict) and "params" not in g for g in groups),
+    _need(isinstance(groups, list) and all(isinstance(g, dict) and "params" not in g
+                                           and all(isinstance(k, str) for k in g) for g in groups),
           "param_groups must hold hyperparameters only")
 
 
@@ -175,65 +241,61 @@ class Reader:
     def __init__(self, path):
         self.path = path = _check_path(path)
         self.meta_path = os.path.join(path, METADATA)
-        if not os.path.isdir(path):
-            raise CheckpointError(f"{path}: no such checkpoint directory")
-        if not os.path.exists(self.meta_path):
-            raise CheckpointError(f"{self.meta_path}: missing; the directory holds no complete "
-                                  "checkpoint (a save that never finished leaves none)")
+        self.meta = read_metadata(path)         # the file, bounded, and its digest
         try:
-            with open(self.meta_path, encoding="utf-8") as f:
-                self.meta = json.load(f)
-            _check_metadata(self.meta)
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
-            raise CheckpointError(f"{self.meta_path}: not valid zerolab checkpoint metadata ({e})") from None
+            _check_metadata(self.meta)          # every field
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as e:
+            raise CheckpointError(f"{self.meta_path}: not valid zerolab checkpoint metadata ({str(e)[:300]})") from None
         self.by_name: dict = {}   # name -> [(shard index, piece index, lo, hi)]
         for si, s in enumerate(self.meta["shards"]):
             for pi, (name, lo, hi) in enumerate(s["pieces"]):
                 self.by_name.setdefault(name, []).append((si, pi, lo, hi))
         self._cache: dict = {}
 
+    def identity(self) -> str:
+        """What this checkpoint is, in one line: its step count and its digest, which covers
+        every shard's. Ranks that resume must agree on it."""
+        return f"step {self.meta['steps']}, sha256 {self.meta['sha256'][:16]}"
+
     def shard(self, si: int) -> dict:
         if si not in self._cache:
             s = self.meta["shards"][si]
             f = os.path.join(self.path, s["file"])
-            if not os.path.exists(f):
+            if not os.path.lexists(f):
                 raise CheckpointError(f"{f}: missing shard (rank {s['rank']} of {self.meta['world_size']})")
-            with open(f, "rb") as fh:
-                data = fh.read()
-            if len(data) != s["bytes"]:
-                raise CheckpointError(f"{f}: truncated or wrong size: {len(data)} bytes, the metadata "
-                                      f"records {s['bytes']}")
+            data = read_bounded(f, s["bytes"], f"shard of rank {s['rank']}")
             if hashlib.sha256(data).hexdigest() != s["sha256"]:
                 raise CheckpointError(f"{f}: corrupt: its SHA-256 does not match the metadata")
             try:
                 content = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             except Exception as e:  # noqa: BLE001 - any unreadable file is reported the same way
                 raise CheckpointError(f"{f}: cannot be read as a weights-only torch file "
-                                      f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+                                      f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
             for entry in s.get("files", []):
                 self._check_linked(entry)
             try:
-                _check_shard(content, s["pieces"], {e["file"]: e["bytes"] for e in s.get("files", [])})
-            except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
-                raise CheckpointError(f"{f}: does not hold what the metadata lists ({e})") from None
+                _check_shard(content, s, self.meta, {e["file"]: e["bytes"] for e in s.get("files", [])})
+            except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as e:
+                raise CheckpointError(f"{f}: does not hold what the metadata lists ({str(e)[:300]})") from None
             self._cache[si] = content
         return self._cache[si]
 
     def _check_linked(self, entry) -> None:
-        """A linked file (offload="disk"): its size and SHA-256, read a block at a time."""
+        """A linked file (offload="disk"): its size and SHA-256, read a block at a time, at most
+        one byte more than recorded."""
         f = os.path.join(self.path, entry["file"])
-        if not os.path.exists(f):
+        if not os.path.lexists(f):
             raise CheckpointError(f"{f}: missing (a file of the offload engine this checkpoint links)")
-        size, sha256 = file_digest(f)
+        size, sha256 = file_digest(f, entry["bytes"])
         if size != entry["bytes"] or sha256 != entry["sha256"]:
-            raise CheckpointError(f"{f}: {size} bytes whose SHA-256 does not match the metadata "
-                                  f"(it records {entry['bytes']}): changed or corrupt")
+            raise CheckpointError(f"{f}: {size}{'+' if size > entry['bytes'] else ''} bytes whose SHA-256 "
+                                  f"does not match the metadata (it records {entry['bytes']}): changed or corrupt")
 
     def _read(self, ref, start, count) -> torch.Tensor:
         """Elements [start, start + count) of a piece's values in a linked file."""
         out = torch.empty(count, dtype=DTYPES[ref["dtype"]])
         buf = memoryview(out.view(torch.uint8).numpy())
-        with open(os.path.join(self.path, ref["file"]), "rb", buffering=0) as f:
+        with os.fdopen(open_regular(os.path.join(self.path, ref["file"])), "rb", buffering=0) as f:
             f.seek((ref["offset"] + start) * out.element_size())
             if f.readinto(buf) != len(buf):
                 raise CheckpointError(f"{self.path}/{ref['file']}: shorter than the metadata says")
@@ -282,8 +344,14 @@ class Reader:
             if n not in mine:
                 raise CheckpointError(f"{self.meta_path}: the checkpoint has parameter {n!r} "
                                       "but the model does not (a different model?)")
-        if sorted(n for n, _ in model.named_buffers()) != sorted(self.meta["buffers"]):
+        buffers = dict(model.named_buffers())
+        if sorted(buffers) != sorted(self.meta["buffers"]):
             raise CheckpointError(f"{self.meta_path}: the model's buffers differ from the checkpoint's")
+        for n, b in buffers.items():
+            saved = self.meta["buffers"][n]
+            if list(b.shape) != saved["shape"] or str(b.dtype).replace("torch.", "") != saved["dtype"]:
+                raise CheckpointError(f"{self.meta_path}: buffer {n!r} is {list(b.shape)} {b.dtype} in the "
+                                      f"model but {saved['shape']} {saved['dtype']} in the checkpoint")
 
     def check_all(self) -> None:
         """Read every shard (size, hash, weights-only load) and check the pieces tile every parameter."""
@@ -295,10 +363,17 @@ class Reader:
                 numel *= d
             spans = sorted((lo, hi) for _, _, lo, hi in self.by_name.get(name, []))
             at = 0
-            for lo, hi in spans:
+            for lo, hi in spans:            # end to end: no gap, no element saved twice
                 if lo != at:
-                    break
+                    raise CheckpointError(f"{self.meta_path}: the pieces of parameter {name!r} "
+                                          f"{'overlap' if lo < at else 'leave a gap'} at element {min(lo, at)}")
                 at = hi
             if at != numel:
                 raise CheckpointError(f"{self.meta_path}: the shards do not cover parameter {name!r} "
                                       f"(elements {at}..{numel} missing)")
+
+
+def identity(path) -> str:
+    """A checkpoint's step count and digest, in one line (see Reader.identity); the metadata is
+    read and checked, the shards are not."""
+    return Reader(path).identity()

@@ -19,26 +19,21 @@ this rank sends everything to the next rank of its group, in an all-to-all 1/N t
 wait() stamps the end time, which gives the timelines of chapters 5 and 8.
 
 A collective that never completes (a rank stuck, crashed, or running different code) would
-block its peers until the process group's own timeout. A Ledger with a `timeout` waits at most
-that long and then raises CollectiveTimeout naming the operation and the ranks that did not
-arrive: before each collective every rank writes its progress (a sequence number, the op and
-its tag) to the process group's key-value store, and the waiting rank reads the others'
-progress when its wait runs out. Every store access is bounded too, so a frozen rank 0 (which
-hosts the store under zl.launch) is named instead of blinding the watchdog. The default timeout
-is $ZEROLAB_COLLECTIVE_TIMEOUT, which zl.launch sets in every rank (300 s unless told otherwise,
-also under torchrun): a run lasts as long as it trains, and a hang is named per collective.
+block its peers until the process group's own timeout. A Ledger with a `timeout` (the default:
+$ZEROLAB_COLLECTIVE_TIMEOUT, else 300 s, wherever torch.distributed is initialised: under
+zl.launch, torchrun, or a process group you made) waits at most that long and then raises
+CollectiveTimeout naming the operation and the ranks that did not arrive (zerolab.watchdog).
 """
 
 from __future__ import annotations
 
-import datetime
-import os
-import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from . import watchdog
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
         "product": dist.ReduceOp.PRODUCT}
@@ -87,11 +82,11 @@ class Handle:
     def wait(self) -> None:
         if self._work is not None:
             timeout = self._ledger.timeout
-            if timeout is None:
+            if self._seq == 0:          # not watched: as long as the process group allows
                 self._work.wait()
             else:
                 try:
-                    self._work.wait(datetime.timedelta(seconds=timeout))
+                    watchdog.wait(self._work, timeout)
                 except RuntimeError as exc:
                     # it waited too long, or it failed at once (a peer closed its connection)
                     waited = "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
@@ -102,31 +97,6 @@ class Handle:
 
     def is_completed(self) -> bool:
         return self._work is None or self._work.is_completed()
-
-
-def _store():
-    return dist.distributed_c10d._get_default_store()
-
-
-def _quietly(fn):
-    try:
-        fn()
-    except Exception:  # noqa: BLE001 - a store that fails is reported as not answering
-        pass
-
-
-class _bounded:
-    """Within the block, every read or write of `store` gives up after `seconds` (then restored)."""
-
-    def __init__(self, store, seconds):
-        self.store, self.seconds = store, seconds
-
-    def __enter__(self):
-        self.before = self.store.timeout
-        self.store.set_timeout(datetime.timedelta(seconds=self.seconds))
-
-    def __exit__(self, *exc):
-        self.store.set_timeout(self.before)
 
 
 def _reduce_op(op: str):
@@ -144,14 +114,12 @@ def _group_rank(group) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-_progress = {"seq": 0}   # this process's count of watched collectives, across all ledgers
-TIMEOUT_ENV = "ZEROLAB_COLLECTIVE_TIMEOUT"
+TIMEOUT_ENV = watchdog.TIMEOUT_ENV
 
 
-def default_timeout() -> float | None:
-    """Seconds a collective may take: $ZEROLAB_COLLECTIVE_TIMEOUT (zl.launch sets it), else None."""
-    value = os.environ.get(TIMEOUT_ENV)
-    return float(value) if value else None
+def default_timeout() -> float:
+    """Seconds a collective may take: $ZEROLAB_COLLECTIVE_TIMEOUT (zl.launch sets it), else 300."""
+    return watchdog.default_timeout()
 
 
 @dataclass
@@ -159,13 +127,13 @@ class Ledger:
     """Runs collectives and records each one. Engines own one: `engine.comm`.
 
     timeout: seconds a collective may take before CollectiveTimeout names the op and the
-    ranks that did not arrive (default: default_timeout(); None: wait as long as the process
-    group allows).
+    ranks that did not arrive (default: default_timeout(), 300 s unless $ZEROLAB_COLLECTIVE_TIMEOUT
+    says otherwise; None: wait as long as the process group allows).
     """
 
     group: object = None
     records: list = field(default_factory=list)
-    timeout: float | None = field(default_factory=default_timeout)
+    timeout: float | None = field(default_factory=watchdog.default_timeout)
     topology: object = None          # a zl.Topology: then each record books its cross-node bytes
 
     def __post_init__(self):
@@ -218,7 +186,7 @@ class Ledger:
         seq = 0
         if n == 1 or not dist.is_initialized():
             work = None  # one rank: the result is already in place, nothing moves
-        elif self.timeout is None:
+        elif self.timeout is None or not watchdog.store_available():
             work = call(group, async_op)
             if not async_op:
                 work = None  # done already (dist.recv even returns the sender's rank, not a Work)
@@ -246,53 +214,15 @@ class Ledger:
         nxt = ranks[(ranks.index(me) + 1) % len(ranks)]
         return sent if topo.link(me, nxt) == "inter" else 0
 
-    # --- the watchdog (only with a timeout)
+    # --- the watchdog (only with a timeout): zerolab.watchdog
     def _announce(self, rec: CommRecord) -> int:
-        _progress["seq"] += 1
-        seq = _progress["seq"]
-        try:
-            with _bounded(_store(), self.timeout):
-                _store().set(f"zerolab/progress/{dist.get_rank()}", f"{seq}|{rec.op}|{rec.tag}")
-        except (RuntimeError, dist.DistError) as exc:
-            raise CollectiveTimeout(
-                f"{rec.op}{f' {rec.tag!r}' if rec.tag else ''}: rank {dist.get_rank()} could not record "
-                f"its progress: the rendezvous store did not answer within {self.timeout:g} s. Under "
-                f"zl.launch rank 0 hosts it: rank 0 is frozen or gone. [{str(exc)[:200]}]") from None
-        return seq
+        return watchdog.announce(rec.op, rec.tag, self.timeout)
 
     def _timed_out(self, rec: CommRecord, group, seq: int, exc, waited: bool = True) -> CollectiveError:
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         me = dist.get_rank()
-        store = _store()
-        behind = []
-        wait = min(10.0, self.timeout)
-
-        def read():
-            for r in ranks:
-                if r == me:
-                    continue
-                key = f"zerolab/progress/{r}"
-                if not store.check([key]):
-                    behind.append(f"rank {r} (no collective yet)")
-                    continue
-                their_seq, op, tag = store.get(key).decode().split("|", 2)
-                if int(their_seq) < seq:
-                    behind.append(f"rank {r} (last at #{their_seq} {op}{f' {tag!r}' if tag else ''})")
-                elif int(their_seq) == seq and (op, tag) != (rec.op, rec.tag):
-                    # as many collectives as this rank, but another one: the ranks' code differs
-                    behind.append(f"rank {r} (in a different collective, #{their_seq} {op}"
-                                  f"{f' {tag!r}' if tag else ''})")
-
-        # A store whose host is frozen (SIGSTOP) does not answer, and TCPStore's own timeout
-        # does not end a read then: read in a thread, and wait for it a bounded time.
-        reader = threading.Thread(target=_quietly, args=(read,), daemon=True)
-        reader.start()
-        reader.join(wait)
-        if reader.is_alive():
-            # the store itself did not answer: under zl.launch rank 0 hosts it
-            behind = [f"rank 0 (frozen or gone: the store it hosts under zl.launch did not answer "
-                      f"within {wait:g} s)"]
-        who = ", ".join(behind) if behind else "none recorded as behind (they may have failed inside it)"
+        who = watchdog.who_is_behind(ranks, me, seq, rec.op, rec.tag, self.timeout, waited)
+        watchdog.keep_until_exit(group)     # (so that this process can exit at once)
         what = f"{rec.op}{f' {rec.tag!r}' if rec.tag else ''} (collective #{seq} of rank {me})"
         kind, how = (CollectiveTimeout, f"did not complete within {self.timeout:g} s") if waited else \
             (CollectiveError, "failed: a peer left it")

@@ -6,9 +6,10 @@ Every rank is a fresh operating-system process. The parent picks one free port o
 127.0.0.1 (nothing listens on any other interface unless $ZEROLAB_LAUNCH_ADDR names one), starts the
 ranks, and waits. What `fn` returns is sent back to the parent, so a notebook shows results
 in rank order, the same on every run. What the workers print (stdout and stderr, C++ output
-too) goes to files, one pair per rank, that the parent shows when all ranks are done: rank by
-rank, each line prefixed `[rank r] ` -- by default rank 0's output and the other ranks'
-warnings and errors (output="rank0" | "all" | "none"; see zerolab.launch_output).
+too) goes into pipes, one pair per rank, that the parent reads as they write: rank 0's lines
+are shown as they come, the other ranks' when all are done, rank by rank, each line prefixed
+`[rank r] ` -- by default rank 0's output and the other ranks' warnings and errors
+(output="rank0" | "all" | "none"; see zerolab.launch_output).
 
 Failures end the whole launch quickly and leave no process behind:
   * a rank that raises -> LaunchError naming the rank, with the worker's traceback;
@@ -16,7 +17,10 @@ Failures end the whole launch quickly and leave no process behind:
   * a rank that stops (hangs, freezes, runs other collectives) -> the ranks waiting for it raise
     zerolab.comm.CollectiveTimeout after `collective_timeout` seconds (300 by default), naming it
     and the operation it last entered; there is no whole-job deadline unless `timeout` sets one
-    (then: LaunchError naming the ranks still running).
+    (then: LaunchError naming the ranks still running);
+  * the launching process dies (even by SIGKILL) -> the ranks and the fork server end with it,
+    a frozen rank included, and the next launch removes the private directory it left
+    (zerolab.launch_tempdir).
 
 Under torchrun (RANK and WORLD_SIZE in the environment) there is nothing to start:
 `launch` runs fn in the current process and returns every rank's value, gathered.
@@ -25,14 +29,11 @@ Under torchrun (RANK and WORLD_SIZE in the environment) there is nothing to star
 from __future__ import annotations
 
 import contextlib
-import datetime
-import math
 import os
 import pickle
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -41,9 +42,10 @@ import multiprocessing as mp
 import torch
 import torch.distributed as dist
 
-from . import launch_output, launch_startup, launch_worker
+from . import launch_output, launch_startup, launch_tempdir, launch_worker
+from .launch_in_place import run_in_place
 from .launch_results import LaunchError, collect
-from .launch_worker import NCCL_WITH_CPU
+from .watchdog import DEFAULT_TIMEOUT, check_seconds
 
 
 # --------------------------------------------------------------------- who am I?
@@ -73,15 +75,7 @@ def device() -> torch.device:
 # --------------------------------------------------------------------- checks
 
 
-def _seconds(value, name, allow_none) -> None:
-    ok = (value is None and allow_none) or (not isinstance(value, bool) and isinstance(value, (int, float))
-                                            and math.isfinite(value) and value > 0)
-    if not ok:
-        raise ValueError(f"launch: {name} must be a finite number of seconds > 0"
-                         f"{' or None' if allow_none else ''}, got {value!r}")
-
-
-def _check_launchable(fn, world_size, timeout, backend, collective_timeout=300.0) -> None:
+def _check_launchable(fn, world_size, timeout, backend, collective_timeout=DEFAULT_TIMEOUT) -> None:
     """Reject bad input before any process starts."""
     if not callable(fn):
         raise TypeError(f"launch: fn must be a function, got {type(fn).__name__} ({fn!r})")
@@ -89,8 +83,8 @@ def _check_launchable(fn, world_size, timeout, backend, collective_timeout=300.0
         raise TypeError(f"launch: world_size must be an int, got {type(world_size).__name__}")
     if world_size < 1:
         raise ValueError(f"launch: world_size must be >= 1, got {world_size}")
-    _seconds(timeout, "timeout", allow_none=True)
-    _seconds(collective_timeout, "collective_timeout", allow_none=False)
+    check_seconds(timeout, "timeout", allow_none=True)
+    check_seconds(collective_timeout, "collective_timeout", allow_none=False)
     if backend not in (None, "gloo", "nccl"):
         raise ValueError(f"launch: backend must be None, 'gloo' or 'nccl', got {backend!r}")
     if backend == "nccl" and (not torch.cuda.is_available() or torch.cuda.device_count() < world_size):
@@ -213,6 +207,8 @@ def _stop(procs) -> None:
     for p in procs:
         if p.is_alive():
             p.terminate()
+            with contextlib.suppress(OSError):    # a frozen rank (SIGSTOP) takes SIGTERM once it runs
+                os.kill(p.pid, signal.SIGCONT)
     deadline = time.monotonic() + 3.0
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
@@ -222,34 +218,9 @@ def _stop(procs) -> None:
             p.join()
 
 
-def _run_in_place(fn, args, world_size_, collective_timeout=300.0):
-    """Under torchrun: the processes already exist; run fn here and gather the values."""
-    os.environ.setdefault("ZEROLAB_COLLECTIVE_TIMEOUT", str(collective_timeout))  # zerolab.comm's watchdog
-    env_world = int(os.environ["WORLD_SIZE"])
-    if world_size_ != env_world and not os.environ.get("ZEROLAB_WORKER"):
-        _say_once(f"zerolab.launch: running under torchrun with WORLD_SIZE={env_world}; "
-                  f"the world_size={world_size_} argument is ignored.")
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    if os.environ.get("RANK") == "0" and not master.startswith("127.") and master != "localhost":
-        _say_once(f"zerolab.launch: torchrun's rendezvous store on {master} is unauthenticated: "
-                  "anyone who can reach it can join or disturb the job. Run multi-node jobs on a "
-                  "trusted network only.")
-    if not dist.is_initialized():
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        use_nccl = torch.cuda.is_available() and local < torch.cuda.device_count()
-        if use_nccl:
-            torch.cuda.set_device(local)
-        dist.init_process_group(NCCL_WITH_CPU if use_nccl else "gloo",
-                                timeout=datetime.timedelta(seconds=2 * collective_timeout))
-    value = fn(*args)
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
-
-
 def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None,
            timeout: float | None = None, output: str | None = None,
-           collective_timeout: float = 300.0) -> list:
+           collective_timeout: float = DEFAULT_TIMEOUT) -> list:
     """Run fn(*args) on `world_size` ranks and return their values in rank order.
 
     timeout: seconds the whole job may take (None, the default: as long as it trains).
@@ -257,12 +228,14 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
     before the rank waiting names the ranks that did not arrive (zerolab.comm); the same under
     torchrun, where this call runs fn in place.
 
-    What the ranks print is shown after they have all returned (or before the LaunchError, whose
-    message quotes the end of a dead rank's output instead of showing it), rank by rank, each line
-    prefixed `[rank r] `, stdout to sys.stdout and stderr to sys.stderr.
+    What the ranks print is shown with each line prefixed `[rank r] `, stdout to sys.stdout and
+    stderr to sys.stderr: rank 0's as it comes, the other ranks' after they have all returned (or
+    before the LaunchError, whose message quotes the end of a dead rank's output instead of
+    showing it), rank by rank.
     output: "rank0" (rank 0's stdout and stderr, the other ranks' stderr: warnings, errors),
     "all" (every rank's stdout and stderr) or "none"; None takes $ZEROLAB_LAUNCH_OUTPUT, else
-    "rank0". Under torchrun each process prints for itself and `output` has no effect.
+    "rank0". Under torchrun each process prints for itself and `output` has no effect; `timeout`
+    ends this rank with a LaunchError when it runs out (zerolab.launch_in_place).
     """
     if getattr(mp.current_process(), "_inheriting", False):
         raise RuntimeError(
@@ -275,39 +248,40 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if not callable(fn):
             raise TypeError(f"launch: fn must be a function, got {type(fn).__name__}")
-        _seconds(collective_timeout, "collective_timeout", allow_none=False)
-        return _run_in_place(fn, tuple(args), world_size, collective_timeout)
+        check_seconds(timeout, "timeout", allow_none=True)
+        check_seconds(collective_timeout, "collective_timeout", allow_none=False)
+        return run_in_place(fn, tuple(args), world_size, collective_timeout, timeout)
     _check_launchable(fn, world_size, timeout, backend, collective_timeout)
     backend = _choose_backend(world_size, backend)
     addr = launch_worker.listen_address()   # loopback, unless asked otherwise in so many words
 
     ctx = _context()
     port = _free_port(addr)
-    logdir = tempfile.mkdtemp(prefix="zerolab-launch-")
-    procs, conns, logs = [], [], []
+    private = launch_tempdir.private_dir()   # (sweeps the directories of dead launchers first)
+    outputs = launch_output.RankOutputs(world_size, output)
+    procs, conns = [], []
     quoted = None   # a failed rank whose output's end is in the error message
     try:
         _end_on_signals()
         for r in range(world_size):
             receive, send = ctx.Pipe(duplex=False)
-            log = launch_output.paths(logdir, r)
             p = ctx.Process(target=launch_worker.run, name=f"zerolab-rank{r}",
                             args=(fn, tuple(args), r, world_size, addr, port, backend,
-                                  collective_timeout, send, log))
+                                  collective_timeout, send, outputs.ends(r)))
             try:
                 # Ctrl-C, SIGTERM or SIGHUP wait until the rank is in procs: arriving inside
                 # start() (the first one starts the fork server: seconds), they would leave a
                 # running rank that nothing stops and that Python's exit would wait for forever
-                with _interrupts_held(), _main_module_hidden(fn):
+                with _interrupts_held(), _main_module_hidden(fn), _fork_server_told(private):
                     p.start()
                     procs.append(p)
             except Exception as exc:  # noqa: BLE001 - typically an argument that cannot be pickled
                 raise LaunchError(f"launch: could not start rank {r}: {exc!r}. Every argument in "
                                   "args must be picklable (tensors, numbers, dataclasses...).", r) from None
             send.close()  # the child holds the only sending end: EOF means it died
+            outputs.started(r)
             conns.append(receive)
-            logs.append(log)
-        values = collect(procs, conns, logs, timeout)
+        values = collect(procs, conns, outputs, private, timeout)
         _let_finish(procs)  # they have sent their values and are exiting: keep their last words
         return values
     except LaunchError as exc:
@@ -319,19 +293,21 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
             for c in conns:
                 c.close()
             for p in procs:
-                launch_startup.take(p.pid)   # a start-up traceback nobody quoted: remove its file
-            try:
-                launch_output.show(logs, output, skip=quoted)
-            finally:
-                for path in (p for pair in logs for p in pair):
-                    try:
-                        os.remove(path)
-                    except OSError:
-                        pass
-            try:
-                os.rmdir(logdir)
-            except OSError:
-                pass
+                launch_startup.take(private, p.pid)   # a start-up traceback nobody quoted: remove its file
+            outputs.close()
+            outputs.show_rest(skip=quoted)
+
+
+@contextlib.contextmanager
+def _fork_server_told(directory: str):
+    """While a rank starts (the first start starts the fork server), $ZEROLAB_LAUNCH_DIR names
+    the private directory where a rank that fails while starting leaves its traceback
+    (zerolab.launch_startup); the fork server takes it from its environment at once."""
+    os.environ[launch_startup.DIR_ENV] = directory
+    try:
+        yield
+    finally:
+        os.environ.pop(launch_startup.DIR_ENV, None)
 
 
 def _let_finish(procs, grace: float = 2.0) -> None:

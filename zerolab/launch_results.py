@@ -15,7 +15,7 @@ import signal
 import time
 from multiprocessing.connection import wait
 
-from . import launch_output, launch_startup
+from . import launch_startup
 
 
 class LaunchError(RuntimeError):
@@ -39,15 +39,15 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def _with_output(message: str, r: int, logs, procs) -> LaunchError:
+def _with_output(message: str, r: int, outputs, procs, private: str) -> LaunchError:
     """A LaunchError for rank r that quotes the end of its output (not shown a second time),
     or the traceback it left if it failed while starting (zerolab.launch_startup)."""
-    started = launch_startup.take(procs[r].pid)
+    started = launch_startup.take(private, procs[r].pid)
     if started:
         message += ("\n--- it failed while starting (before fn was called) ---\n" + started.strip() +
                     "\nA rank re-imports the script that called zl.launch and unpickles fn and args "
                     "before it runs fn: both must work in a fresh process.")
-    error = LaunchError(message + launch_output.tail(*logs[r]), r)
+    error = LaunchError(message + outputs.tail(r), r)
     error.quoted_output = True
     return error
 
@@ -63,10 +63,26 @@ def _message(conn):
         return None
 
 
-def _raise_root_cause(procs, conns, logs, others, grace: float, results: dict) -> None:
+_ECHOES = ("closed by peer", "remote worker", "Connection reset", "CollectiveError", "CollectiveTimeout")
+
+
+def _is_echo(traceback_text: str) -> bool:
+    """Whether a rank's error only reports another rank's absence (a peer gone, a collective
+    that ran out of time), rather than a failure of its own."""
+    return any(w in traceback_text for w in _ECHOES)
+
+
+def _last_line(traceback_text: str) -> str:
+    lines = [l for l in traceback_text.strip().splitlines() if l.strip()]
+    return lines[-1] if lines else ""
+
+
+def _raise_root_cause(procs, conns, outputs, private, others, grace: float, results: dict,
+                      errors: dict) -> None:
     """A rank's error may only be the echo of another rank's death (its peer closed the
     connection). Look briefly for a rank that died without a word, and blame that one. A rank
-    that returned its value meanwhile goes into `results` (it finished early: not a crash)."""
+    that returned its value meanwhile goes into `results` (it finished early: not a crash); a
+    rank that raised too goes into `errors` (rank -> its traceback)."""
     deadline = time.monotonic() + grace
     others = set(others)
     while others:
@@ -78,15 +94,17 @@ def _raise_root_cause(procs, conns, logs, others, grace: float, results: dict) -
             if msg is None:              # end of file without a message: it died silently
                 procs[q].join(2.0)
                 raise _with_output(f"launch: rank {q} {_describe_exit(procs[q].exitcode)} before "
-                                   "returning a result.", q, logs, procs)
+                                   "returning a result.", q, outputs, procs, private)
             if msg[0] == "ok":           # it returned its value: it finished early, no crash
                 results[q] = msg[1]
+            else:
+                errors[q] = msg[1]
         if time.monotonic() >= deadline:
             return
         time.sleep(0.02)
 
 
-def collect(procs, conns, logs, timeout):
+def collect(procs, conns, outputs, private, timeout):
     """Wait for every rank's value; raise at the first failure."""
     results: dict[int, object] = {}
     pending = set(range(len(procs)))
@@ -98,7 +116,7 @@ def collect(procs, conns, logs, timeout):
             raise _with_output(
                 f"launch: rank(s) {late} did not finish within the timeout of {timeout:g} s and "
                 "were stopped. A rank waiting in a collective that another rank never called "
-                "looks like this; so does a run that simply needs a longer timeout.", late[0], logs, procs)
+                "looks like this; so does a run that simply needs a longer timeout.", late[0], outputs, procs, private)
         watch = {}
         for r in pending:
             watch[conns[r]] = r
@@ -114,22 +132,37 @@ def collect(procs, conns, logs, timeout):
                 except EOFError:
                     procs[r].join(2.0)
                     raise _with_output(f"launch: rank {r} {_describe_exit(procs[r].exitcode)} "
-                                       "before returning a result.", r, logs, procs) from None
+                                       "before returning a result.", r, outputs, procs, private) from None
                 if status == "error":
                     # an error that reports a vanished peer is worth waiting a little longer on
-                    echo = any(w in value for w in ("closed by peer", "remote worker", "Connection reset"))
-                    _raise_root_cause(procs, conns, logs, pending - {r}, 3.0 if echo else 0.3, results)
+                    echo = any(w in value for w in _ECHOES[:3])
+                    errors = {r: value}
+                    _raise_root_cause(procs, conns, outputs, private, pending - {r}, 3.0 if echo else 0.5,
+                                      results, errors)
                     if echo and results:
                         # nobody crashed: a rank that returned left the others in a collective
                         raise LaunchError(
                             f"launch: rank(s) {sorted(results)} finished and returned while rank {r} was "
                             "still in a collective with them: the ranks ran different numbers of steps "
                             f"or collectives (no rank crashed). Rank {r}'s error:\n{value}", r)
-                    raise LaunchError(f"launch: rank {r} raised an exception:\n{value}", r)
+                    raise _several(errors, r)
                 results[r] = value
                 pending.discard(r)
             else:  # the process ended and sent nothing
                 procs[r].join(2.0)
                 raise _with_output(f"launch: rank {r} {_describe_exit(procs[r].exitcode)} "
-                                   "before returning a result.", r, logs, procs)
+                                   "before returning a result.", r, outputs, procs, private)
     return [results[r] for r in range(len(procs))]
+
+
+def _several(errors: dict, first: int) -> LaunchError:
+    """One LaunchError for every rank that raised: the traceback of the first that raised
+    something of its own (not the echo of another rank's absence), then the others' errors, so
+    that what each rank found is in the message whichever rank's error arrived first."""
+    own = [r for r in errors if not _is_echo(errors[r])]
+    main = own[0] if own else first
+    message = f"launch: rank {main} raised an exception:\n{errors[main]}"
+    others = [r for r in sorted(errors) if r != main and (r in own or not own)]
+    for r in others:
+        message += f"\n--- rank {r} raised as well ---\n{_last_line(errors[r])}"
+    return LaunchError(message, main)

@@ -3,15 +3,20 @@
 zerolab.launch (the parent side) starts `run` in a fresh process per rank. The rank meets the
 others through a key-value store on 127.0.0.1 (rank 0 hosts it), initialises torch.distributed,
 runs fn(*args) and sends back what it returned, or its traceback. Its stdout and stderr go to
-two files of its own (zerolab.launch_output), which the parent shows, prefixed by rank, when the
-launch ends (and the end of which it quotes if the rank fails). It ends itself if the parent
-goes away, so no orphan is left running.
+two pipes of its own (zerolab.launch_output), which the parent shows, prefixed by rank (rank 0's
+as they come, the others' when the launch ends; the end of a failed rank's in the error). It ends
+if the parent goes away, so no orphan is left running: a thread watches the parent, and the
+kernel kills the rank when the fork server it was forked from dies (which it does when the
+parent dies: zerolab.launch_startup_hook), even a rank frozen by SIGSTOP, whose threads cannot run.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
+import signal
+import sys
 import pickle
 import socket
 import threading
@@ -65,6 +70,18 @@ def listen_address() -> str:
     return ip
 
 
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent process dies (Linux only): the one
+    way to end a process that is frozen (SIGSTOP), since none of its own code runs then."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _watch_parent() -> None:
     """End this worker if the launching process goes away, so no orphan is left running."""
     parent = mp.parent_process()
@@ -102,15 +119,16 @@ def _count_in(store, key: str, world_size_: int, add: bool = True) -> None:
         count = store.add(key, 0)
 
 
-def run(fn, args, rank_, world_size_, addr, port, backend, collective_timeout, conn, log_paths):
-    """The body of one started rank: its output to two files, torch.distributed up, fn(*args),
+def run(fn, args, rank_, world_size_, addr, port, backend, collective_timeout, conn, output):
+    """The body of one started rank: its output into two pipes, torch.distributed up, fn(*args),
     the value (or the traceback) sent back through `conn`, then a quick exit.
 
     collective_timeout bounds every store access and (through $ZEROLAB_COLLECTIVE_TIMEOUT) every
     collective of a zerolab Ledger; the process group's own timeout, twice that, is the backstop
     for collectives called outside a Ledger."""
-    # stdout and stderr (also of C++ code) go to this rank's two files; the parent shows them.
-    launch_output.redirect(*log_paths)
+    die_with_parent()
+    # stdout and stderr (also of C++ code) go to this rank's two pipes; the parent shows them.
+    launch_output.redirect(*output)
     threading.Thread(target=_watch_parent, daemon=True).start()
 
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank_),

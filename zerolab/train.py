@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import os
 import signal
 import sys
@@ -37,14 +36,8 @@ from . import data, engines, memory, models
 from .comm import Ledger
 from .engines.setup import check_same_plan
 from .launch import launch, rank, world_size
-
-
-def available_strategies() -> list:
-    """The engines --strategy can name (zerolab.engines; NaiveDDP is chapter 5's teaching version)."""
-    return [name for name in engines.NAMES if name != "naive"]
-
-
-PRECISIONS = ("fp32", "bf16", "fp16")
+from .train_checks import (PRECISIONS, available_strategies, check_config, check_plot,  # noqa: F401
+                           check_shared_save_dir, parse_fault, plan)
 
 
 @dataclass
@@ -67,77 +60,9 @@ class TrainConfig:
     collective_timeout: float = 300.0    # seconds one collective may wait (then the late ranks are named)
 
     def check(self) -> "TrainConfig":
-        models.gpt_config(self.size)  # raises on an unknown size
-        if self.strategy not in available_strategies():
-            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {available_strategies()}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"unknown precision {self.precision!r}; choose one of {list(PRECISIONS)}")
-        for name in ("world_size", "steps", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be a finite number > 0, got {self.lr!r}")
-        if not (isinstance(self.bucket_mb, (int, float)) and math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
-            raise ValueError(f"bucket_mb must be a finite number > 0, got {self.bucket_mb!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
-        if isinstance(self.save_every, bool) or not isinstance(self.save_every, int) or self.save_every < 0:
-            raise ValueError(f"save_every must be an int >= 0 (0 = never), got {self.save_every!r}")
-        if self.save_every and not self.save_dir:
-            raise ValueError("save_every needs save_dir: the directory to write checkpoints into")
-        if self.save_dir:
-            from .checkpoint_reader import CheckpointError, check_save_dir
-            try:
-                check_save_dir(self.save_dir)     # now, not at the first save
-            except CheckpointError as e:
-                raise ValueError(f"save_dir: {e}") from None
-        if self.resume is not None:
-            meta = os.path.join(os.fspath(self.resume), "metadata.json")
-            if not os.path.exists(meta):
-                raise ValueError(f"resume: {meta} does not exist; pass a directory written by "
-                                 "--save-dir (a save that never finished leaves none)")
-        for name, allow_none in (("collective_timeout", False), ("timeout", True)):
-            value = getattr(self, name)
-            if not ((value is None and allow_none) or (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                                       and math.isfinite(value) and value > 0)):
-                raise ValueError(f"{name} must be a finite number of seconds > 0"
-                                 f"{' or None (no limit)' if allow_none else ''}, got {value!r}")
-        if self.fault is not None:
-            parse_fault(self.fault, self.world_size)
+        """Raise ValueError naming the first field that is wrong (zerolab.train_checks)."""
+        check_config(self)
         return self
-
-
-FAULTS = ("raise", "exit", "kill", "hang", "stop", "nan")
-
-
-def parse_fault(spec: str, world_size: int) -> tuple:
-    """'kill@3:1' -> ("kill", 3, 1, None): at step 3, rank 1 kills itself. RANK defaults to 0.
-
-    raise: an exception; exit: os._exit(3); kill: SIGKILL to itself; hang: sleeps an hour
-    (the collective timeout names it); stop: SIGSTOP to itself (frozen: only SIGKILL or SIGCONT
-    reach it, as a machine that stopped answering); nan@STEP:RANK:MODULE: that module's output becomes
-    NaN from that step on (MODULE defaults to the first transformer block's MLP).
-    """
-    try:
-        kind, rest = spec.split("@", 1)
-        parts = rest.split(":")
-        step, who = int(parts[0]), int(parts[1]) if len(parts) > 1 and parts[1] else 0
-        module = parts[2] if len(parts) > 2 else None
-    except (ValueError, AttributeError):
-        raise ValueError(f"fault must look like KIND@STEP[:RANK[:MODULE]] (e.g. kill@3:1), got {spec!r}") from None
-    if kind not in FAULTS:
-        raise ValueError(f"fault: unknown kind {kind!r}; choose one of {list(FAULTS)}")
-    if step < 0 or not 0 <= who < world_size:
-        raise ValueError(f"fault: step must be >= 0 and rank in [0, {world_size}), got {spec!r}")
-    return kind, step, who, module
-
-
-def plan(cfg: TrainConfig) -> dict:
-    """What every rank must agree on before training: under torchrun each node parses its own
-    command line, and ranks planning different runs would wait for each other forever."""
-    return {k: getattr(cfg, k) for k in ("size", "strategy", "precision", "steps", "batch_size", "lr",
-                                         "seed", "bucket_mb", "save_every", "find_nan", "fault")} | \
-        {"resume": cfg.resume is not None}
 
 
 def make_engine(cfg: TrainConfig, model: torch.nn.Module):
@@ -155,7 +80,10 @@ def train_worker(cfg: TrainConfig, progress=None) -> dict:
     model_cfg = models.gpt_config(cfg.size)
     model = models.GPT(model_cfg).to(_device())
     if world_size() > 1:   # before the engine's first collective
-        check_same_plan(plan(cfg), Ledger(timeout=cfg.collective_timeout))
+        ledger = Ledger(timeout=cfg.collective_timeout)
+        check_same_plan(plan(cfg), ledger)
+        if cfg.save_every:
+            check_shared_save_dir(cfg.save_dir, ledger, rank(), world_size())
     engine = make_engine(cfg, model)
     engine.comm.timeout = cfg.collective_timeout    # the ledger's watchdog: name the rank that is late
     dataset = data.CharDataset(model_cfg.block_size, seed=cfg.seed)
@@ -324,9 +252,8 @@ def run(cfg: TrainConfig, show_progress: bool = True) -> list:
 def _resume_step(cfg) -> int:
     if not cfg.resume:
         return 0
-    import json
-    with open(os.path.join(os.fspath(cfg.resume), "metadata.json")) as f:
-        return int(json.load(f).get("steps", 0))
+    from .checkpoint_reader import Reader
+    return Reader(cfg.resume).meta["steps"]
 
 
 def format_report(cfg: TrainConfig, results: list) -> str:
@@ -411,6 +338,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fault", default=None, help=argparse.SUPPRESS)  # KIND@STEP[:RANK[:MODULE]]
 
 
+def _resume_hint(cfg, lead: str) -> str:
+    """Where to continue from, if a checkpoint was written: "" otherwise."""
+    if cfg.save_dir and os.path.exists(os.path.join(cfg.save_dir, "metadata.json")):
+        return f"{lead}the last checkpoint is in {cfg.save_dir}; continue with --resume {cfg.save_dir}"
+    return ""
+
+
 def main(args: argparse.Namespace) -> int:
     world = int(os.environ.get("WORLD_SIZE", args.world_size))   # torchrun sets WORLD_SIZE
     strategy = args.strategy or ("ddp" if world > 1 else "single")
@@ -422,21 +356,27 @@ def main(args: argparse.Namespace) -> int:
                       collective_timeout=args.collective_timeout)
     try:
         cfg.check()
+        if rank() == 0:
+            check_plot(args.plot)
     except ValueError as exc:
         print(f"zerolab train: error: {exc}", file=sys.stderr)
         return 2
     from .launch import LaunchError
     try:
         results = run(cfg, show_progress=not args.no_progress)
+    except KeyboardInterrupt:   # Ctrl-C: the ranks are stopped already (zl.launch); one line, no traceback
+        if rank() == 0:
+            print(f"zerolab train: interrupted{_resume_hint(cfg, ': ')}", file=sys.stderr)
+        return 130
     except Exception as exc:   # noqa: BLE001 - reported below, with where to resume from
         if not isinstance(exc, LaunchError):
             if "RANK" not in os.environ:
                 raise               # a bug of this process, not a rank's failure
             exc = f"rank {rank()}: {type(exc).__name__}: {exc}"   # under torchrun: this rank's own
         print(f"zerolab train: error: {exc}", file=sys.stderr)
-        if cfg.save_dir and os.path.exists(os.path.join(cfg.save_dir, "metadata.json")):
-            print(f"zerolab train: the last checkpoint is in {cfg.save_dir}; continue with "
-                  f"--resume {cfg.save_dir}", file=sys.stderr)
+        hint = _resume_hint(cfg, "")
+        if hint:
+            print(f"zerolab train: {hint}", file=sys.stderr)
         return 1
     if rank() == 0:
         print(format_report(cfg, results))

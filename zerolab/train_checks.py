@@ -1,0 +1,161 @@
+"""What `python -m zerolab train` checks before it trains, so that no run fails at step 1000
+for a reason it could have named at step 0.
+
+In the parent (or each torchrun process), before any rank starts:
+    check_config(cfg)         every field: ranges, choices, timeouts, the fault spec, the
+                              checkpoint to resume (read and verified), the save directory
+                              (writable: tried), the plot's file (its directory exists)
+In every rank, before the engine's first collective:
+    plan(cfg)                 what all ranks must agree on (zerolab.engines.setup.check_same_plan
+                              compares it): under torchrun each node parses its own command line.
+                              The checkpoint to resume is named by its identity (step and digest),
+                              not by a flag: ranks resuming different checkpoints would train a mix
+    check_shared_save_dir()   every rank writes into the save directory and sees the others'
+                              files there: one directory shared by all nodes, or no checkpoint
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+
+import torch
+
+from . import engines, models
+from .checkpoint_reader import CheckpointError, check_save_dir, identity, probe_save_dir
+from .watchdog import check_seconds
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+FAULTS = ("raise", "exit", "kill", "hang", "stop", "nan")
+
+
+def available_strategies() -> list:
+    """The engines --strategy can name (zerolab.engines; NaiveDDP is chapter 5's teaching version)."""
+    return [name for name in engines.NAMES if name != "naive"]
+
+
+def _number(value, low_ok) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and \
+        (value >= 0 if low_ok else value > 0)
+
+
+def check_config(cfg) -> None:
+    """Raise ValueError naming the first field of `cfg` (a TrainConfig) that is wrong."""
+    models.gpt_config(cfg.size)  # raises on an unknown size
+    if cfg.strategy not in available_strategies():
+        raise ValueError(f"unknown strategy {cfg.strategy!r}; choose one of {available_strategies()}")
+    if cfg.precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {cfg.precision!r}; choose one of {list(PRECISIONS)}")
+    for name in ("world_size", "steps", "batch_size"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if not _number(cfg.lr, low_ok=False):
+        raise ValueError(f"lr must be a finite number > 0, got {cfg.lr!r}")
+    if not _number(cfg.bucket_mb, low_ok=False):
+        raise ValueError(f"bucket_mb must be a finite number > 0, got {cfg.bucket_mb!r}")
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or not 0 <= cfg.seed < 2**63:
+        raise ValueError(f"seed must be an int in [0, 2**63), got {cfg.seed!r}")
+    if isinstance(cfg.save_every, bool) or not isinstance(cfg.save_every, int) or cfg.save_every < 0:
+        raise ValueError(f"save_every must be an int >= 0 (0 = never), got {cfg.save_every!r}")
+    if cfg.save_every and not cfg.save_dir:
+        raise ValueError("save_every needs save_dir: the directory to write checkpoints into")
+    if cfg.save_dir:
+        try:
+            probe_save_dir(cfg.save_dir)     # now, not at the first save: a file written and removed
+        except CheckpointError as e:
+            raise ValueError(f"save_dir: {e}") from None
+    if cfg.resume is not None:
+        meta = os.path.join(os.fspath(cfg.resume), "metadata.json")
+        if not os.path.lexists(meta):
+            raise ValueError(f"resume: {meta} does not exist; pass a directory written by "
+                             "--save-dir (a save that never finished leaves none)")
+        try:
+            identity(cfg.resume)             # the metadata read and verified (its digest)
+        except CheckpointError as e:
+            raise ValueError(f"resume: {e}") from None
+    check_seconds(cfg.collective_timeout, "collective_timeout", allow_none=False, where="")
+    check_seconds(cfg.timeout, "timeout", allow_none=True, where="")
+    if cfg.fault is not None:
+        parse_fault(cfg.fault, cfg.world_size)
+
+
+def check_plot(path) -> None:
+    """The loss curve's PNG must be writable where it is asked for: checked before training,
+    not after it."""
+    if not path:
+        return
+    if os.path.isdir(path):
+        raise ValueError(f"plot: {path!r} is a directory; give a file name such as loss.png")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"plot: the directory {parent!r} does not exist; create it, or pass --plot '' "
+                         "for no plot")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"plot: cannot write into {parent!r}")
+
+
+def parse_fault(spec: str, world_size: int) -> tuple:
+    """'kill@3:1' -> ("kill", 3, 1, None): at step 3, rank 1 kills itself. RANK defaults to 0.
+
+    raise: an exception; exit: os._exit(3); kill: SIGKILL to itself; hang: sleeps an hour
+    (the collective timeout names it); stop: SIGSTOP to itself (frozen: only SIGKILL or SIGCONT
+    reach it, as a machine that stopped answering); nan@STEP:RANK:MODULE: that module's output becomes
+    NaN from that step on (MODULE defaults to the first transformer block's MLP).
+    """
+    try:
+        kind, rest = spec.split("@", 1)
+        parts = rest.split(":")
+        step, who = int(parts[0]), int(parts[1]) if len(parts) > 1 and parts[1] else 0
+        module = parts[2] if len(parts) > 2 else None
+    except (ValueError, AttributeError):
+        raise ValueError(f"fault must look like KIND@STEP[:RANK[:MODULE]] (e.g. kill@3:1), got {spec!r}") from None
+    if kind not in FAULTS:
+        raise ValueError(f"fault: unknown kind {kind!r}; choose one of {list(FAULTS)}")
+    if step < 0 or not 0 <= who < world_size:
+        raise ValueError(f"fault: step must be >= 0 and rank in [0, {world_size}), got {spec!r}")
+    return kind, step, who, module
+
+
+def plan(cfg) -> dict:
+    """What every rank must agree on before training: under torchrun each node parses its own
+    command line, and ranks planning different runs would wait for each other forever, or
+    (resuming different checkpoints) train a mixture of two models."""
+    return {k: getattr(cfg, k) for k in ("size", "strategy", "precision", "steps", "batch_size", "lr",
+                                         "seed", "bucket_mb", "save_every", "find_nan", "fault")} | \
+        {"resume": None if cfg.resume is None else identity(cfg.resume)}
+
+
+def check_shared_save_dir(path, ledger, rank: int, world: int) -> None:
+    """Every rank writes a file into `path` and looks for every other rank's: a directory that
+    is not the same for all (one per node, not shared) is refused now, on every rank alike,
+    instead of failing at the first save. Collective: every rank calls it."""
+    def agree(value: int, op: str) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        ledger.all_reduce(t, op=op, tag="setup")
+        return int(t.item())
+
+    token = agree(secrets.randbits(62) if rank == 0 else 0, "max")
+    mine = os.path.join(path, f".zerolab-probe-{token:016x}-{rank}")
+    try:
+        try:
+            check_save_dir(path)
+            os.makedirs(path, exist_ok=True)
+            with open(mine, "w"):
+                pass
+            wrote = 1
+        except (OSError, CheckpointError):
+            wrote = 0
+        failed = agree(world if wrote else rank, "min")
+        if failed < world:
+            raise ValueError(f"save_dir {path!r}: rank {failed} cannot write there; every rank must be "
+                             "able to write the checkpoint directory")
+        sees = all(os.path.exists(os.path.join(path, f".zerolab-probe-{token:016x}-{r}")) for r in range(world))
+        blind = agree(world if sees else rank, "min")
+        if blind < world:
+            raise ValueError(f"save_dir {path!r}: rank {blind} does not see the files the other ranks "
+                             "write there: every rank must save into one directory that all nodes share "
+                             "(a shared file system), not a directory of its own")
+    finally:
+        if os.path.exists(mine):
+            os.remove(mine)
