@@ -75,8 +75,8 @@ def _leftovers() -> tuple[dict, list]:
             pass
     # A launcher killed together with its fork server (nbval shuts each chapter's kernel down by
     # killing its process group) cannot remove its private directory: the next launch does
-    # (zerolab.launch_tempdir.sweep). The suite's last kernel has no next launch: sweep as one would.
-    from zerolab.launch_tempdir import sweep
+    # (zerolab.launch.tempdir.sweep). The suite's last kernel has no next launch: sweep as one would.
+    from zerolab.launch.tempdir import sweep
     sweep(_SESSION_TMP)
     own = f"zerolab-launch-{os.getpid()}-"
     files = []

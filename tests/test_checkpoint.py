@@ -9,7 +9,7 @@ import torch
 
 import zerolab as zl
 from zerolab import checkpoint, data, models
-from zerolab.checkpoint_files import with_digest
+from zerolab.checkpoint.files import with_digest
 
 # (name, model, engine, precision); GPT nano and the awkward model (frozen, unused, tied, odd sizes)
 SPECS = [

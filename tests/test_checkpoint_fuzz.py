@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 import zerolab as zl
 from zerolab import checkpoint
-from zerolab.checkpoint_files import with_digest
-from zerolab.checkpoint_reader import CheckpointError
+from zerolab.checkpoint.files import with_digest
+from zerolab.checkpoint.reader import CheckpointError
 
 
 def small_engine(seed=0):

@@ -35,8 +35,8 @@ import torch
 
 import zerolab as zl
 from zerolab import checkpoint
-from zerolab.checkpoint_files import with_digest
-from zerolab.checkpoint_reader import CheckpointError
+from zerolab.checkpoint.files import with_digest
+from zerolab.checkpoint.reader import CheckpointError
 from zerolab.models import AwkwardModel
 
 CASES = 60           # per family: about a second each
@@ -366,7 +366,7 @@ sys.path.insert(0, %(tests)r)
 resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))   # without the fix /dev/zero fills memory
 from test_checkpoint_mutations import build, train, read_meta, write_meta
 from zerolab import checkpoint
-from zerolab.checkpoint_reader import CheckpointError
+from zerolab.checkpoint.reader import CheckpointError
 
 def out_of_time(*_):
     raise TimeoutError("still reading after 20 s")

@@ -123,7 +123,7 @@ def _descendants(pid):
 def _until_named(cmd, words, limit=90.0):
     """Run cmd until its output holds one of `words` or it exits; then SIGKILL torchrun's agent
     alone, as an operator or a scheduler would, and check that its ranks die with it (a rank
-    frozen by SIGSTOP included: zerolab.launch_in_place asks the kernel to kill them). Returns the
+    frozen by SIGSTOP included: zerolab.launch.in_place asks the kernel to kill them). Returns the
     seconds it took to say `words` (None if never), the output, and the ranks that outlived the
     agent (killed here all the same, so that the suite leaves nothing behind)."""
     import subprocess

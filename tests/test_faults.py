@@ -87,7 +87,7 @@ def die_while_saving(root):
         engine.step()
         engine.zero_grad()
         if step == 1 and zl.rank() == 0:
-            from zerolab import checkpoint_writer
+            from zerolab.checkpoint import writer as checkpoint_writer
             write = checkpoint_writer._atomic_write
 
             def dying_write(path, data):

@@ -66,13 +66,18 @@ def habits(name, other):
             "reloaded_same": all(torch.equal(reloaded[k], state[k]) for k in state)}
 
 
+OTHERS = {"single": "single", "naive": "zero2", "ddp": "zero3", "zero1": "ddp", "zero2": "zero1", "zero3": "single"}
+
+
+def habits_every_engine():
+    return {name: habits(name, OTHERS[name]) for name in zl.engines.NAMES}
+
+
 def test_keywords_nested_inputs_clip_and_state_dict_under_every_engine():
     ref, ref_norms = plain_pytorch(2)
     assert min(ref_norms) > MAX_NORM            # the clip really clips
-    others = {"single": "single", "naive": "zero2", "ddp": "zero3", "zero1": "ddp", "zero2": "zero1", "zero3": "single"}
-    for name in zl.engines.NAMES:
-        res = zl.launch(habits, 2, args=(name, others[name]))
-        for r, out in enumerate(res):
+    for rank_out in zl.launch(habits_every_engine, 2):     # (one launch: every engine in turn)
+        for name, out in rank_out.items():
             assert all(out["api"].values()), (name, out["api"])
             # one process on the global batch (single: this rank's half only, so no comparison)
             if name != "single":
@@ -197,12 +202,15 @@ def hf_under(name):
     return engine.state_dict()
 
 
+def hf_every_engine():
+    # (single: one process, nothing to compare on 2 ranks)
+    return {name: hf_under(name) for name in zl.engines.NAMES if name != "single"}
+
+
 def test_a_hugging_face_gpt2_trains_under_every_engine_as_one_process_does():
     ref = hf_plain(2)
-    for name in zl.engines.NAMES:
-        if name == "single":
-            continue                                  # (one process: nothing to compare on 2 ranks)
-        for state in zl.launch(hf_under, 2, args=(name,)):
+    for rank_out in zl.launch(hf_every_engine, 2):         # (one launch: every engine in turn)
+        for name, state in rank_out.items():
             assert set(state) == set(ref), name      # the model's own keys (tied lm_head included)
             # SGD: a weight moves by lr * g; two summation orders change g by a few ulp, so after 3
             # steps the weights differ by < 1e-6. A missed reduction moves them by ~lr * g ~ 1e-3

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
-launch_module = sys.modules["zerolab.launch"]  # the module (zl.launch is the function)
+launch_module = sys.modules["zerolab.launch.parent"]  # the module (zl.launch is the function)
 
 
 # ---- worker functions: top level of an importable module, as launch requires
@@ -203,7 +203,7 @@ def test_a_dead_ranks_output_is_in_the_error_and_the_others_are_shown(capfd, no_
     ("  x \r\n", "[rank 3]   x \r\n"),
 ])
 def test_prefixed_keeps_every_line_and_strips_nothing(text, shown):
-    from zerolab.launch_output import prefixed
+    from zerolab.launch.output import prefixed
     assert prefixed(text, 3) == shown
 
 
@@ -456,7 +456,7 @@ def test_a_signal_while_a_rank_starts_stops_that_rank_too(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(
         "import contextlib, os, signal, sys\nsys.path.insert(0, %r)\nimport zerolab as zl\n"
-        "L = sys.modules['zerolab.launch']\nfrom test_launch import sleep_forever\n"
+        "L = sys.modules['zerolab.launch.parent']\nfrom test_launch import sleep_forever\n"
         "hidden, started = L._main_module_hidden, []\n"
         "@contextlib.contextmanager\n"
         "def hup_after_the_second_start(fn):\n"
@@ -524,7 +524,7 @@ def test_a_second_ctrl_c_during_the_clean_up_leaves_nothing_behind(tmp_path):
 ])
 def test_a_rank_that_fails_while_starting_shows_its_traceback_in_the_error(tmp_path, body, words):
     # before fn runs, a rank's output is not yet redirected to its files: without
-    # zerolab.launch_startup the error said only "exited with code 1"
+    # zerolab.launch.startup the error said only "exited with code 1"
     script = tmp_path / "job.py"
     script.write_text("import zerolab as zl\n" + body)
     scratch = tmp_path / "tmp"
@@ -749,7 +749,7 @@ def test_a_launch_sweeps_the_directories_of_launchers_that_are_gone():
 def test_start_up_tracebacks_go_to_a_private_directory_and_follow_no_link(tmp_path, monkeypatch):
     # the start-up file was $TMPDIR/zerolab-start-<pid>.txt, opened following links: a planted
     # link overwrote its target (on a system without protected_symlinks)
-    from zerolab import launch_startup, launch_tempdir
+    from zerolab.launch import startup as launch_startup, tempdir as launch_tempdir
     private = launch_tempdir.private_dir()
     assert os.stat(private).st_mode & 0o777 == 0o700 and os.path.basename(private).startswith(
         f"zerolab-launch-{os.getpid()}-")

@@ -413,7 +413,7 @@ def loading_worker(root):
 
 
 def test_a_rank_killed_mid_write_leaves_checkpoint_and_offload_files_whole(tmp_path):
-    from zerolab.launch_results import LaunchError
+    from zerolab.launch.results import LaunchError
     with pytest.raises(LaunchError, match="SIGKILL"):
         zl.launch(dying_worker, 1, args=(str(tmp_path),))
     saved = zl.launch(loading_worker, 1, args=(str(tmp_path),))[0]     # the step-1 checkpoint loads

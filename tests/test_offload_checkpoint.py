@@ -38,7 +38,7 @@ import zerolab as zl
 from helpers import PARITY_ADAMW
 from zerolab import checkpoint
 from zerolab.book.offload_demo import checkpoint_worker
-from zerolab.checkpoint_reader import CheckpointError
+from zerolab.checkpoint.reader import CheckpointError
 from zerolab.data import CharDataset
 from zerolab.models import GPT, gpt_config, gpt_loss
 

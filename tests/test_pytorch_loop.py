@@ -125,8 +125,13 @@ def every_variant():
 
 
 @pytest.fixture(scope="module")
-def tutorial():
-    return zl.launch(every_variant, N)
+def ranks():
+    return zl.launch(every_loop, N)
+
+
+@pytest.fixture(scope="module")
+def tutorial(ranks):
+    return [r["tutorial"] for r in ranks]
 
 
 @pytest.mark.parametrize("variant", VARIANTS + ["own optimizer"])
@@ -221,9 +226,9 @@ def nanogpt_every_engine():
     return {name: nanogpt_train(name, 1.0 if name in ("naive", "ddp") else 0.0) for name in DP}
 
 
-def test_nanogpts_step_section_trains_every_engine_as_one_process():
+def test_nanogpts_step_section_trains_every_engine_as_one_process(ranks):
     refs = {clip: nanogpt_train("one process", clip) for clip in (0.0, 1.0)}
-    for rank, seen in enumerate(zl.launch(nanogpt_every_engine, N)):
+    for rank, seen in enumerate(r["nanogpt"] for r in ranks):
         for name, state in seen.items():
             ref = refs[1.0 if name in ("naive", "ddp") else 0.0]
             worst = max((state[k] - ref[k]).abs().max().item() for k in ref)
@@ -264,8 +269,8 @@ def loops_every_engine():
             for name in zl.engines.NAMES for precision in ("fp32", "bf16")}
 
 
-def test_loss_backward_then_optimizer_step_is_bit_for_bit_engine_backward_then_step():
-    for seen in zl.launch(loops_every_engine, N):
+def test_loss_backward_then_optimizer_step_is_bit_for_bit_engine_backward_then_step(ranks):
+    for seen in (r["bitwise"] for r in ranks):
         assert all(seen.values()), [k for k, same in seen.items() if not same]
 
 
@@ -327,9 +332,9 @@ def own_optimizers():
     return out
 
 
-def test_your_own_optimizer_on_zl_ddp_steps_averaged_gradients_tied_frozen_and_unused_too():
+def test_your_own_optimizer_on_zl_ddp_steps_averaged_gradients_tied_frozen_and_unused_too(ranks):
     ref = own_optimizer_run("one process", None)
-    for rank, seen in enumerate(zl.launch(own_optimizers, N)):
+    for rank, seen in enumerate(r["own"] for r in ranks):
         for key, state in seen.items():
             worst = max((state[k] - ref[k]).abs().max().item() for k in ref)
             assert worst < SGD_TOL, (key, rank, worst)
@@ -361,10 +366,16 @@ def no_zero_grad_every_engine():
     return {name: no_zero_grad_run(name) for name in DP if name != "zero1"}
 
 
-def test_a_forgotten_zero_grad_accumulates_as_in_one_process():
+def test_a_forgotten_zero_grad_accumulates_as_in_one_process(ranks):
     # (ZeRO-1 refuses it instead: tests/test_engines.py and test_habits_table.py)
     ref = no_zero_grad_run("one process")
-    for rank, seen in enumerate(zl.launch(no_zero_grad_every_engine, N)):
+    for rank, seen in enumerate(r["no_zero_grad"] for r in ranks):
         for name, state in seen.items():
             worst = max((state[k] - ref[k]).abs().max().item() for k in ref)
             assert worst < SGD_TOL, (name, rank, worst)
+
+
+def every_loop():
+    """Everything this file trains, in one launch (starting ranks costs seconds each time)."""
+    return {"tutorial": every_variant(), "nanogpt": nanogpt_every_engine(), "bitwise": loops_every_engine(),
+            "own": own_optimizers(), "no_zero_grad": no_zero_grad_every_engine()}

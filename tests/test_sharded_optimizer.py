@@ -123,7 +123,7 @@ def compare():
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["N=2", "N=4"])
 def seen(request):
-    return request.param, zl.launch(compare, request.param)
+    return request.param, zl.launch(compare_and_schedule, request.param)
 
 
 def test_the_weights_match_zero_redundancy_optimizer_and_a_plain_adamw(seen):
@@ -171,8 +171,18 @@ def with_a_scheduler():
     return max((model.state_dict()[k] - v).abs().max().item() for k, v in ref.items()), opt.param_groups[0]["lr"]
 
 
-def test_a_learning_rate_scheduler_drives_it_as_it_drives_a_plain_optimizer():
-    for worst, lr in zl.launch(with_a_scheduler, 2):
+def compare_and_schedule():
+    out = compare()
+    if dist.get_world_size() == 2:      # (the scheduler run needs only one world size)
+        out["scheduled"] = with_a_scheduler()
+    return out
+
+
+def test_a_learning_rate_scheduler_drives_it_as_it_drives_a_plain_optimizer(seen):
+    n, results = seen
+    if n != 2:
+        pytest.skip("the scheduler runs at N=2")
+    for worst, lr in (r["scheduled"] for r in results):
         assert lr == ADAMW["lr"] * 0.5 ** STEPS
         assert worst <= fp32_adamw_tol(STEPS)
 

@@ -252,7 +252,7 @@ def run(cfg: TrainConfig, show_progress: bool = True) -> list:
 def _resume_step(cfg) -> int:
     if not cfg.resume:
         return 0
-    from .checkpoint_reader import Reader
+    from .checkpoint.reader import Reader
     return Reader(cfg.resume).meta["steps"]
 
 

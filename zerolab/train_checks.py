@@ -23,8 +23,8 @@ import secrets
 import torch
 
 from . import engines, models
-from .checkpoint_reader import CheckpointError, check_save_dir, identity, probe_save_dir
-from .watchdog import check_seconds
+from .checkpoint.reader import CheckpointError, check_save_dir, identity, probe_save_dir
+from .watchdog import check_timeout
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 FAULTS = ("raise", "exit", "kill", "hang", "stop", "nan")
@@ -74,8 +74,8 @@ def check_config(cfg) -> None:
             identity(cfg.resume)             # the metadata read and verified (its digest)
         except CheckpointError as e:
             raise ValueError(f"resume: {e}") from None
-    check_seconds(cfg.collective_timeout, "collective_timeout", allow_none=False, where="")
-    check_seconds(cfg.timeout, "timeout", allow_none=True, where="")
+    check_timeout(cfg.collective_timeout, "collective_timeout", allow_none=False, where="")
+    check_timeout(cfg.timeout, "timeout", allow_none=True, where="")
     if cfg.fault is not None:
         parse_fault(cfg.fault, cfg.world_size)
 

@@ -38,7 +38,7 @@ DEFAULT_TIMEOUT = 300.0
 MIN_SECONDS, MAX_SECONDS = 1.0, 1e8
 
 
-def check_seconds(value, name: str, allow_none: bool, where: str = "launch") -> None:
+def check_timeout(value, name: str, allow_none: bool, where: str = "launch") -> None:
     """Raise ValueError unless `value` is a number of seconds in [MIN_SECONDS, MAX_SECONDS]
     (or None where allowed): 1e15 overflows a clock, 1e-9 fails the rendezvous, both deep in a rank."""
     ok = (value is None and allow_none) or (not isinstance(value, bool) and isinstance(value, (int, float))
@@ -57,7 +57,7 @@ def default_timeout() -> float:
         seconds = float(value)
     except ValueError:
         seconds = None
-    check_seconds(seconds, f"${TIMEOUT_ENV}={value!r}", allow_none=False, where="zerolab.comm")
+    check_timeout(seconds, f"${TIMEOUT_ENV}={value!r}", allow_none=False, where="zerolab.comm")
     return seconds
 
 

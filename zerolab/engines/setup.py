@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import sys
 import zlib
 
 import torch
@@ -272,7 +273,9 @@ def compiled_parts(model):
     start with "_orig_mod.". An engine keeps the model itself (engine.module, checkpoints and
     state dicts under the model's own keys, loadable compiled or not) and runs the forward
     through the wrapper (ZeRO-3 compiles unit by unit instead: zero3.ZeRO3._compile_units)."""
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+    # (nothing is compiled if Dynamo was never imported: importing it costs seconds per process)
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    if dynamo is not None and isinstance(model, dynamo.OptimizedModule):
         return model._orig_mod, model
     return model, None
 

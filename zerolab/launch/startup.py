@@ -1,4 +1,4 @@
-"""What a rank says if it fails while starting, before zerolab.launch_worker.run is reached.
+"""What a rank says if it fails while starting, before zerolab.launch.worker.run is reached.
 
 A rank of zl.launch is forked from a fork server, which first re-imports the caller's script
 (so that a function defined there can be found) and unpickles fn and args. An error there (a
@@ -6,9 +6,9 @@ script that cannot be imported twice, an argument whose class is gone) happens b
 redirects its output to its pipes, so its traceback would go to the terminal that started
 Python, which a notebook's reader never sees, and the launch would only say "exited with code 1".
 
-The fork server alone calls `install` (it imports zerolab.launch_startup_hook, on zl.launch's
+The fork server alone calls `install` (it imports zerolab.launch.startup_hook, on zl.launch's
 preload list): its excepthook then also writes the traceback to a file named after the failing
-process's pid, in the launching process's private directory (zerolab.launch_tempdir: mode 0700,
+process's pid, in the launching process's private directory (zerolab.launch.tempdir: mode 0700,
 so nobody else can plant a file or a link there; the file is created with O_EXCL | O_NOFOLLOW
 all the same). The parent quotes it in its LaunchError and removes it. The caller's own
 excepthook is never touched.

@@ -9,7 +9,7 @@ in rank order, the same on every run. What the workers print (stdout and stderr,
 too) goes into pipes, one pair per rank, that the parent reads as they write: rank 0's lines
 are shown as they come, the other ranks' when all are done, rank by rank, each line prefixed
 `[rank r] ` -- by default rank 0's output and the other ranks' warnings and errors
-(output="rank0" | "all" | "none"; see zerolab.launch_output).
+(output="rank0" | "all" | "none"; see zerolab.launch.output).
 
 Failures end the whole launch quickly and leave no process behind:
   * a rank that raises -> LaunchError naming the rank, with the worker's traceback;
@@ -20,7 +20,7 @@ Failures end the whole launch quickly and leave no process behind:
     (then: LaunchError naming the ranks still running);
   * the launching process dies (even by SIGKILL) -> the ranks and the fork server end with it,
     a frozen rank included, and the next launch removes the private directory it left
-    (zerolab.launch_tempdir).
+    (zerolab.launch.tempdir).
 
 Under torchrun (RANK and WORLD_SIZE in the environment) there is nothing to start:
 `launch` runs fn in the current process and returns every rank's value, gathered.
@@ -42,10 +42,10 @@ import multiprocessing as mp
 import torch
 import torch.distributed as dist
 
-from . import launch_output, launch_startup, launch_tempdir, launch_worker
-from .launch_in_place import run_in_place
-from .launch_results import LaunchError, collect
-from .watchdog import DEFAULT_TIMEOUT, check_seconds
+from . import output as launch_output, startup as launch_startup, tempdir as launch_tempdir, worker as launch_worker
+from .in_place import run_in_place
+from .results import LaunchError, collect
+from ..watchdog import DEFAULT_TIMEOUT, check_timeout
 
 
 # --------------------------------------------------------------------- who am I?
@@ -83,8 +83,8 @@ def _check_launchable(fn, world_size, timeout, backend, collective_timeout=DEFAU
         raise TypeError(f"launch: world_size must be an int, got {type(world_size).__name__}")
     if world_size < 1:
         raise ValueError(f"launch: world_size must be >= 1, got {world_size}")
-    check_seconds(timeout, "timeout", allow_none=True)
-    check_seconds(collective_timeout, "collective_timeout", allow_none=False)
+    check_timeout(timeout, "timeout", allow_none=True)
+    check_timeout(collective_timeout, "collective_timeout", allow_none=False)
     if backend not in (None, "gloo", "nccl"):
         raise ValueError(f"launch: backend must be None, 'gloo' or 'nccl', got {backend!r}")
     if backend == "nccl" and (not torch.cuda.is_available() or torch.cuda.device_count() < world_size):
@@ -143,7 +143,7 @@ def _say_once(message: str) -> None:
 # --------------------------------------------------------------------- the worker side
 #
 # What runs inside each started process (meeting the others, initialising torch.distributed,
-# running fn, sending its value back) is zerolab.launch_worker.
+# running fn, sending its value back) is zerolab.launch.worker.
 
 
 def _free_port(addr: str) -> int:
@@ -169,9 +169,11 @@ def _context():
     if _CONTEXT is None:
         if "forkserver" in mp.get_all_start_methods():
             _CONTEXT = mp.get_context("forkserver")
-            # (zerolab.launch_startup: a rank that fails while starting leaves its traceback)
-            _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "zerolab",
-                                             "zerolab.launch_startup_hook"])
+            # (zerolab.launch.startup: a rank that fails while starting leaves its traceback;
+            # torch._dynamo: building any torch optimizer imports it, over a second per rank
+            # when each rank does it, ~0 when the fork server has done it once)
+            _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zerolab",
+                                             "zerolab.launch.startup_hook"])
         else:
             _CONTEXT = mp.get_context("spawn")
     return _CONTEXT
@@ -235,7 +237,7 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
     output: "rank0" (rank 0's stdout and stderr, the other ranks' stderr: warnings, errors),
     "all" (every rank's stdout and stderr) or "none"; None takes $ZEROLAB_LAUNCH_OUTPUT, else
     "rank0". Under torchrun each process prints for itself and `output` has no effect; `timeout`
-    ends this rank with a LaunchError when it runs out (zerolab.launch_in_place).
+    ends this rank with a LaunchError when it runs out (zerolab.launch.in_place).
     """
     if getattr(mp.current_process(), "_inheriting", False):
         raise RuntimeError(
@@ -248,8 +250,8 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if not callable(fn):
             raise TypeError(f"launch: fn must be a function, got {type(fn).__name__}")
-        check_seconds(timeout, "timeout", allow_none=True)
-        check_seconds(collective_timeout, "collective_timeout", allow_none=False)
+        check_timeout(timeout, "timeout", allow_none=True)
+        check_timeout(collective_timeout, "collective_timeout", allow_none=False)
         return run_in_place(fn, tuple(args), world_size, collective_timeout, timeout)
     _check_launchable(fn, world_size, timeout, backend, collective_timeout)
     backend = _choose_backend(world_size, backend)
@@ -302,7 +304,7 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
 def _fork_server_told(directory: str):
     """While a rank starts (the first start starts the fork server), $ZEROLAB_LAUNCH_DIR names
     the private directory where a rank that fails while starting leaves its traceback
-    (zerolab.launch_startup); the fork server takes it from its environment at once."""
+    (zerolab.launch.startup); the fork server takes it from its environment at once."""
     os.environ[launch_startup.DIR_ENV] = directory
     try:
         yield

@@ -21,8 +21,8 @@ import shutil
 
 import torch
 
-from .checkpoint_files import with_digest
-from .checkpoint_reader import FORMAT, METADATA, CheckpointError, file_digest
+from .files import with_digest
+from .reader import FORMAT, METADATA, CheckpointError, file_digest
 
 
 @contextlib.contextmanager

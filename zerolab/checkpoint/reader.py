@@ -10,7 +10,7 @@ its docstring); load and consolidate read it through a Reader:
 
 Shards are read on demand and only with torch.load(weights_only=True), so loading never runs
 code; each is checked against the size and SHA-256 the metadata records, and the metadata
-against its own digest (zerolab.checkpoint_files: only regular files inside the directory, read
+against its own digest (zerolab.checkpoint.files: only regular files inside the directory, read
 with a bound). Then every field is checked before it is used: a malformed or crafted file is a
 CheckpointError naming the file and the field, never a raw KeyError, RecursionError or MemoryError.
 """
@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from .checkpoint_files import (METADATA, CheckpointError, file_digest, open_regular, read_bounded,
+from .files import (METADATA, CheckpointError, file_digest, open_regular, read_bounded,
                                read_metadata)
 
 FORMAT = 2          # 2: the metadata is covered by a digest and records its buffers' shapes

@@ -28,9 +28,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .launch_results import LaunchError
-from .launch_worker import NCCL_WITH_CPU, die_with_parent
-from .watchdog import TIMEOUT_ENV
+from .results import LaunchError
+from .worker import NCCL_WITH_CPU, die_with_parent
+from ..watchdog import TIMEOUT_ENV
 
 _said: set = set()
 

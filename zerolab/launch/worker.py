@@ -3,11 +3,11 @@
 zerolab.launch (the parent side) starts `run` in a fresh process per rank. The rank meets the
 others through a key-value store on 127.0.0.1 (rank 0 hosts it), initialises torch.distributed,
 runs fn(*args) and sends back what it returned, or its traceback. Its stdout and stderr go to
-two pipes of its own (zerolab.launch_output), which the parent shows, prefixed by rank (rank 0's
+two pipes of its own (zerolab.launch.output), which the parent shows, prefixed by rank (rank 0's
 as they come, the others' when the launch ends; the end of a failed rank's in the error). It ends
 if the parent goes away, so no orphan is left running: a thread watches the parent, and the
 kernel kills the rank when the fork server it was forked from dies (which it does when the
-parent dies: zerolab.launch_startup_hook), even a rank frozen by SIGSTOP, whose threads cannot run.
+parent dies: zerolab.launch.startup_hook), even a rank frozen by SIGSTOP, whose threads cannot run.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
-from . import launch_output
+from . import output as launch_output
 
 # Under NCCL, CPU tensors travel over gloo: NCCL alone has no CPU path, and a chapter or test
 # that builds its model on the CPU (as they all do) must still run when a GPU happens to be

@@ -107,7 +107,7 @@ def _no_constants(name):
 
 def read_metadata(directory: str) -> dict:
     """metadata.json of `directory`, parsed and checked against its own digest (the fields
-    themselves are checked by zerolab.checkpoint_reader)."""
+    themselves are checked by zerolab.checkpoint.reader)."""
     path = os.path.join(directory, METADATA)
     if not os.path.isdir(directory):
         raise CheckpointError(f"{directory}: no such checkpoint directory")

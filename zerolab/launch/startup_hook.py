@@ -1,12 +1,12 @@
-"""Imported only by zl.launch's fork server (its preload list): see zerolab.launch_startup.
+"""Imported only by zl.launch's fork server (its preload list): see zerolab.launch.startup.
 
 Besides the start-up tracebacks, it makes the fork server end when the process that launched it
 ends. multiprocessing's fork server exits only once every rank it forked has exited (each holds
 its `alive` pipe), so a rank frozen by SIGSTOP would keep it, and itself, forever. A thread here
-waits for the launching process to die, removes its private directory (zerolab.launch_tempdir:
+waits for the launching process to die, removes its private directory (zerolab.launch.tempdir:
 a process killed with SIGKILL, or a Jupyter kernel shut down, never runs its own clean-up) and
 ends the fork server; every rank has asked the kernel to kill it when the fork server dies
-(zerolab.launch_worker: PR_SET_PDEATHSIG), which reaches a frozen rank too.
+(zerolab.launch.worker: PR_SET_PDEATHSIG), which reaches a frozen rank too.
 """
 
 import os
@@ -15,7 +15,7 @@ import shutil
 import threading
 import time
 
-from .launch_startup import _directory, install
+from .startup import _directory, install
 
 
 def _end_with_the_launcher() -> None:

@@ -1,6 +1,6 @@
 """Before zl.checkpoint.load changes anything: does this checkpoint fit this engine, all of it?
 
-zerolab.checkpoint_reader has checked that the files are what the metadata says and that every
+zerolab.checkpoint.reader has checked that the files are what the metadata says and that every
 field has the right form. What is left depends on the engine that loads it:
 
     check_fits(engine, reader, info)     # raises CheckpointError, or the load cannot fail
@@ -23,7 +23,7 @@ import random
 
 import torch
 
-from .checkpoint_files import CheckpointError
+from .files import CheckpointError
 
 
 def _finite_number(x) -> bool:
@@ -141,7 +141,7 @@ def check_optimizer_state(engine, reader, opt_segments, where) -> None:
 
 def check_precision_state(engine, state, where) -> None:
     """The loss scaler's state, loaded into a throw-away scaler first."""
-    from .precision import LossScaler
+    from ..precision import LossScaler
     scaler = state.get("scaler")
     if engine.precision.scaler is None or scaler is None:
         if engine.precision.scaler is not None:

@@ -4,8 +4,8 @@ at the first failure, raise a LaunchError naming the rank that caused it.
 A rank's error may only echo another rank's death (its peer closed the connection), so the
 parent looks briefly for a rank that died without a word and blames that one; a rank that
 returned its value meanwhile finished early, which is not a crash. A dead rank's error quotes
-the end of its output (zerolab.launch_output), or the traceback it left if it failed while
-starting (zerolab.launch_startup).
+the end of its output (zerolab.launch.output), or the traceback it left if it failed while
+starting (zerolab.launch.startup).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import signal
 import time
 from multiprocessing.connection import wait
 
-from . import launch_startup
+from . import startup as launch_startup
 
 
 class LaunchError(RuntimeError):
@@ -41,7 +41,7 @@ def _describe_exit(code: int | None) -> str:
 
 def _with_output(message: str, r: int, outputs, procs, private: str) -> LaunchError:
     """A LaunchError for rank r that quotes the end of its output (not shown a second time),
-    or the traceback it left if it failed while starting (zerolab.launch_startup)."""
+    or the traceback it left if it failed while starting (zerolab.launch.startup)."""
     started = launch_startup.take(private, procs[r].pid)
     if started:
         message += ("\n--- it failed while starting (before fn was called) ---\n" + started.strip() +

@@ -4,12 +4,12 @@ A process that calls zl.launch gets one directory, $TMPDIR/zerolab-launch-<pid>-
 by mkdtemp (mode 0700: nobody else can read it or plant a file or a symbolic link in it). It
 holds the fork server's socket (multiprocessing would otherwise make a pymp-* directory for it)
 (unless $TMPDIR is so long that the socket's path would not fit a Unix socket's) and the
-traceback of a rank that fails while starting (zerolab.launch_startup). It is removed when the
+traceback of a rank that fails while starting (zerolab.launch.startup). It is removed when the
 process exits.
 
 A process killed with SIGKILL (or a Jupyter kernel shut down: its exit runs no clean-up) removes
 nothing itself; its fork server, which outlives it by a moment, removes it
-(zerolab.launch_startup_hook). Should both be killed at once, every launch first sweeps the
+(zerolab.launch.startup_hook). Should both be killed at once, every launch first sweeps the
 directories of processes that no longer exist: the pid in the name says whose it was. A pid that has been
 reused by another process keeps its directory until that process is gone too (nothing is
 removed that might still be in use).

@@ -1,0 +1,49 @@
+"""Sharded checkpoints: save, load (at any world size or stage), consolidate.
+
+    zl.checkpoint.save(engine, "ckpt/", extra={"data_step": 3})   # every rank calls it
+    zl.checkpoint.load(engine, "ckpt/")                            # -> the `extra` dict
+    state = zl.checkpoint.consolidate("ckpt/")                     # no process group needed
+
+A checkpoint is a directory:
+
+    metadata.json                  the layout: every parameter's name, shape, and which file
+                                   holds which element range of it, each file's size and
+                                   SHA-256, and its own SHA-256 over all of that; written LAST
+    shard-<id>-00000-of-00002.pt   what rank 0 owns: for each piece (parameter name, lo, hi)
+                                   its fp32 master values and optimizer state; rank 0's file
+                                   also holds the buffers; every file holds its rank's step
+                                   count, loss scaler, RNG states and your `extra`
+    shard-<id>-00000-unit3.master.bin ...   offload="disk" only: the engine's own files, linked
+                                   (zerolab.engines.offload.disk): the .pt file then says where
+                                   each piece's values and state are in them instead of
+                                   holding them, so saving and loading never hold the model
+
+The unit of the layout is the PIECE: elements [lo, hi) of one parameter, flattened. No rank
+ever gathers the full model to save: ZeRO ranks write the pieces of their own flat shard, and
+engines whose ranks hold the same replica (SingleProcess, DDP) split each parameter N ways so
+each rank writes 1/N of it. Loading reads, for each element range the new engine owns, the
+pieces that overlap it, so a checkpoint saved by ZeRO-3 on 2 ranks loads into ZeRO-2 on 4 from
+the metadata alone.
+
+Nothing is ever lost by a crash mid-save: shards are written under fresh names (a new <id> per
+save) into temporary files and renamed, and metadata.json (which names the shards to use) is
+replaced atomically only after every rank has written its shard. Until that rename the old
+metadata still points at the old, untouched shards. Old shards are removed after it.
+
+Loading never runs code (reader): shards are read with
+torch.load(weights_only=True) and the metadata is JSON. The metadata's digest covers the shards'
+sizes and SHA-256s, so a changed byte anywhere is found; only regular files inside the directory
+are read, each with a bound. A missing, truncated, corrupt or crafted file, a model or optimizer
+that does not match, a hyperparameter out of range raise CheckpointError naming the file and what
+is wrong, before anything in the engine has changed (validate). A save that
+fails leaves no file of its own behind.
+
+The package: api (save, load, consolidate), writer (how a save writes and publishes), files (the
+files themselves: regular, bounded, digested), reader (a checkpoint read and verified), validate
+(does it fit this engine).
+"""
+
+from .api import consolidate, load, save
+from .files import METADATA, CheckpointError
+
+__all__ = ["CheckpointError", "METADATA", "consolidate", "load", "save"]
