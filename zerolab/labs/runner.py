@@ -184,7 +184,7 @@ def _after_run(check, data: list) -> Verdict:
 
 def _run_failure(ranks: list):
     """(key, line, hint) if the run crashed or hung on some rank, else None. The root cause is a
-    rank's own error; a peer's timeout or a closed connection is only its echo."""
+    rank's own error, or else a rank's timeout; a closed connection is only their echo."""
     errors = [(r, res["error"]) for r, res in enumerate(ranks) if res["error"] and "stop" not in res["error"]]
     if any(res.get("not_run") for res in ranks):
         return ("not_run", "not run: the ranks were out of step after an earlier case", "")
@@ -196,8 +196,11 @@ def _run_failure(ranks: list):
             return ("crash", e["launch"], "")
         if "file" in e:
             return ("file", e["file"], "")
+    # a rank's own error first; then a rank that timed out (the hang itself: when its wait ends,
+    # gloo closes the connection, and the ranks waiting on it see "a peer left" instead)
     own = [(r, e) for r, e in errors if not e["hang"] and not e["peer_left"]]
-    r, e = (own or errors)[0]
+    hung = [(r, e) for r, e in errors if e["hang"]]
+    r, e = (own or hung or errors)[0]
     where = f" in {e['where']}" if e["where"] else ""
     if e["stub"]:
         return ("stub", f"rank {r}: {e['where'] or 'a seam'} is still a stub (it raises NotImplementedError).",
