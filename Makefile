@@ -39,7 +39,7 @@ $(STAMP): requirements.txt pyproject.toml
 	@touch $@
 
 test: setup
-	$(PY) -m pytest tests chapters --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg \
+	$(PY) -m pytest tests chapters labs --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg \
 	  --nbval-cell-timeout=600 -p no:cacheprovider -q --durations=10
 
 # the library's unit tests alone, in seconds: no test that launches ranks or processes (marked slow)

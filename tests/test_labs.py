@@ -1,0 +1,142 @@
+"""The labs' graders, graded: each passes the library's own engine and fails every planted mistake
+with the failure it was planted for, and its own message.
+
+Everything below is graded in ONE run (zerolab.labs.grade_cases: one launch per world size, the
+cases in turn in the same ranks), because starting ranks that build an engine costs seconds:
+every lab's reference, every planted mistake, the untouched stub files of labs/, and two student
+files written here (one that crashes, one that does not import). The tests read its reports.
+"""
+
+import os
+import textwrap
+
+import pytest
+
+import tolerances
+from zerolab.labs import LABS, grade_cases
+from zerolab.labs.__main__ import main as labs_cli
+from zerolab.labs.worker import load_lab
+
+LABS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "labs")
+CRASHING = textwrap.dedent('''
+    from zerolab.labs.ddp import ReferenceDDP
+
+    class MyDDP(ReferenceDDP):
+        def _reduce(self, b):
+            raise ValueError("a bug in the student's _reduce")
+''')
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> dict:
+    """{(lab, kind, name): Report} for every case, graded once for the whole module."""
+    tmp = str(tmp_path_factory.mktemp("labs"))
+    crashing = os.path.join(tmp, "crashing_ddp.py")
+    broken = os.path.join(tmp, "broken_ddp.py")
+    with open(crashing, "w") as f:
+        f.write(CRASHING)
+    with open(broken, "w") as f:
+        f.write("class MyDDP(:\n")
+    cases = []
+    for name in LABS:
+        lab = load_lab(name)
+        cases.append((name, ("reference", None)))
+        cases += [(name, ("mistake", m.name)) for m in lab.mistakes]
+        cases.append((name, ("file", os.path.join(LABS_DIR, lab.stub_file))))
+    cases += [("ddp", ("file", crashing)), ("ddp", ("file", broken))]
+    reports = grade_cases(cases)
+    return {(name, spec[0], spec[1] if spec[0] != "file" else os.path.basename(spec[1])): report
+            for (name, spec), report in zip(cases, reports)}
+
+
+@pytest.mark.parametrize("name", list(LABS))
+def test_the_library_passes_every_check(reports, name):
+    report = reports[(name, "reference", None)]
+    assert report.passed, str(report)
+    assert [v.check for v in report.verdicts] == ["it runs"] + [c.title for c in load_lab(name).checks]
+
+
+@pytest.mark.parametrize("name", list(LABS))
+def test_every_planted_mistake_fails_with_its_own_message(reports, name):
+    lab = load_lab(name)
+    assert len(lab.mistakes) >= 5
+    firsts = {}
+    for mistake in lab.mistakes:
+        report = reports[(name, "mistake", mistake.name)]
+        first = report.first_failure
+        assert first is not None, f"{mistake.name} passed every check:\n{report}"
+        assert first.key == mistake.expect, f"{mistake.name}:\n{report}"
+        assert first.line and first.section, str(report)
+        firsts[mistake.name] = (first.key, first.line)
+    keys = [key for key, _ in firsts.values()]
+    assert len(set(keys)) == len(keys), f"two planted mistakes fail the same way: {firsts}"
+
+
+@pytest.mark.parametrize("name", list(LABS))
+def test_the_stub_files_are_wired_to_the_grader(reports, name):
+    """Each untouched stub file imports, its classes are found, and the first seam the grader
+    reaches is reported as still to be written, with its file and line."""
+    lab = load_lab(name)
+    report = reports[(name, "file", lab.stub_file)]
+    first = report.first_failure
+    assert first.check == "it runs" and first.key == "stub", str(report)
+    assert lab.stub_file in first.line and "line" in first.line
+    assert all(v.status == "----" for v in report.verdicts[1:])
+
+
+def test_a_crash_names_the_rank_the_exception_and_the_students_line(reports):
+    first = reports[("ddp", "file", "crashing_ddp.py")].first_failure
+    assert first.key == "crash"
+    assert first.line.startswith("rank 0 raised ValueError in _reduce (crashing_ddp.py, line ")
+    assert "a bug in the student's _reduce" in first.line
+
+
+def test_a_file_that_does_not_import_is_reported_without_starting_ranks(reports):
+    first = reports[("ddp", "file", "broken_ddp.py")].first_failure
+    assert first.key == "file" and "does not import" in first.line and "SyntaxError" in first.line
+
+
+def test_a_hang_is_named_by_rank_and_operation(reports):
+    report = reports[("ring", "mistake", "receives_from_the_right")]
+    line = report.first_failure.line
+    assert line.startswith("rank ") and " hung in receives_from_the_right " in line
+    assert "'ring' did not complete within 2 s" in line and "[" not in line, line
+
+
+def test_the_report_explains_the_first_failure_only(reports):
+    text = str(reports[("zero1", "mistake", "no_all_gather")])
+    assert text.count("What to do:") == 1 and text.count("Re-read:") == 1
+    assert "The failure explained is the first thing that went wrong" in text
+
+
+def test_the_labs_tolerances_are_the_parity_tests():
+    """zerolab.labs.checks derives its weight tolerance as tests/tolerances.py does, from the same
+    premise; and the premise holds on the lab's model: an fp32 gradient differs from an fp64 one
+    by less than one AdamW step of ADAM_ROUNDOFF_STEP."""
+    from zerolab.labs import checks, model
+    assert checks.ADAM_ROUNDOFF_STEP == tolerances.ADAM_ROUNDOFF_STEP
+    assert all(checks.weight_tol(s) == tolerances.fp32_adamw_tol(s) for s in (1, 2, 3))
+    opt = model.OPTIMIZER.keywords
+    assert (opt["lr"], opt["eps"]) == (tolerances.LR, tolerances.EPS)
+    net32 = model.build()
+    net64 = model.build().double()
+    for step, micros in enumerate(model.SCHEDULE):
+        for n in (1, 2):
+            batches = [model.global_micro_batch(step, m, n) for m in range(micros)]
+            g32 = model._grads(net32, batches, micros)
+            g64 = model._grads(net64, [(x.double(), y.double()) for x, y in batches], micros)
+            assert tolerances.adam_roundoff_step(g32, g64) < tolerances.ADAM_ROUNDOFF_STEP
+
+
+def test_the_command_line_lists_the_labs(capsys):
+    assert labs_cli(["list"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"labs/{load_lab(name).stub_file}" in out for name in LABS)
+
+
+def test_grade_refuses_an_ambiguous_call():
+    from zerolab.labs import grade
+    with pytest.raises(ValueError, match="give the path of your file"):
+        grade("ddp", "lab3_ddp.py", reference=True)
+    with pytest.raises(ValueError, match="unknown lab"):
+        grade("zero4", reference=True)

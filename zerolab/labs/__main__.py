@@ -1,0 +1,45 @@
+"""python -m zerolab.labs list | grade NAME [PATH] [--reference | --mistake NAME]"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .lab import LABS
+from .runner import grade
+from .worker import load_lab
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m zerolab.labs",
+                                     description="Grade a lab: your code, run on real ranks against the book.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="the labs, their stub files and planted mistakes")
+    g = sub.add_parser("grade", help="grade a lab")
+    g.add_argument("name", choices=list(LABS))
+    g.add_argument("path", nargs="?", help="your file (default: the lab's stub file, here or in labs/)")
+    which = g.add_mutually_exclusive_group()
+    which.add_argument("--reference", action="store_true", help="grade the library's own code (the solution)")
+    which.add_argument("--mistake", metavar="NAME", help="grade one of the lab's planted mistakes")
+    args = parser.parse_args(argv)
+    if args.command == "list":
+        for name in LABS:
+            lab = load_lab(name)
+            print(f"{name:<7} lab {lab.number}: {lab.title} ({lab.chapter}); stubs labs/{lab.stub_file}; "
+                  f"{len(lab.mistakes)} planted mistakes: {', '.join(m.name for m in lab.mistakes)}")
+        return 0
+    lab = load_lab(args.name)
+    if args.reference or args.mistake:
+        report = grade(args.name, reference=args.reference, mistake=args.mistake)
+    else:
+        path = args.path or next((p for p in (lab.stub_file, os.path.join("labs", lab.stub_file))
+                                  if os.path.isfile(p)), None)
+        if path is None:
+            parser.error(f"no {lab.stub_file} here or in labs/: give the path of your file")
+        report = grade(args.name, path)
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Lab 3's planted mistakes: zl.DDP's own seams (ReferenceDDP) with one thing wrong, as students
+write it. Each must fail the grader with the failure named in `expect`."""
+
+from __future__ import annotations
+
+from .ddp import ReferenceDDP
+from .lab import Mistake
+
+
+class NoDivide(ReferenceDDP):
+    def _reduce(self, b):
+        bucket, buf = self.buckets.buckets[b], self._flats[b]
+        if b == len(self._flats) - 1:
+            self._held = [p.grad is v for p, v in zip(self.params, self._grad_views)]
+            buf[bucket.padded_numel:] = 1.0
+        return self.comm.all_reduce(buf, async_op=True, tag=f"bucket{b}")   # (never divided by N)
+
+
+class GradNotAView(ReferenceDDP):
+    def _take(self, p, b, i, k):
+        view = self._grad_views[k]
+        if p.grad is not view:
+            view.copy_(p.grad)          # (p.grad is left pointing at autograd's own tensor)
+
+
+class AddsToOldSlot(ReferenceDDP):
+    def _take(self, p, b, i, k):
+        view = self._grad_views[k]
+        if p.grad is not view:
+            view.add_(p.grad)           # (the slot still holds last step's gradient)
+            p.grad = view
+
+
+class LaunchesOnFirstGradient(ReferenceDDP):
+    def _on_grad_ready(self, p):
+        b, i, k = self._slot[id(p)]
+        self._take(p, b, i, k)
+        if not self._reducing_now:
+            return
+        self._missing[b] -= 1
+        while self._next <= b:          # (launched as soon as ONE of its gradients is in)
+            self._launch(self._next)
+
+
+class ForgetsToWait(ReferenceDDP):
+    def _finish_backward(self):
+        while self._next < len(self.buckets.buckets):
+            self._launch(self._next)
+        self._held = [True] * len(self.params)      # (and never waits for what is in flight)
+
+
+class LaunchesAfterBackward(ReferenceDDP):
+    def _on_grad_ready(self, p):
+        b, i, k = self._slot[id(p)]
+        self._take(p, b, i, k)
+        if self._reducing_now:
+            self._missing[b] -= 1       # (counted, but nothing is launched until _finish_backward)
+
+
+class OneAllReducePerGradient(ReferenceDDP):
+    def _reduce(self, b):
+        bucket = self.buckets.buckets[b]
+        self._ready_to_reduce(b, bucket.grad)
+        if b == len(self._flats) - 1:
+            self._held = [True] * len(self.params)
+        views = [bucket.grad_view(i) for i in range(len(bucket.params))]
+        for view in views[:-1]:
+            self.comm.all_reduce(view, tag=f"bucket{b}")    # (one call per gradient)
+        return self.comm.all_reduce(views[-1], async_op=True, tag=f"bucket{b}")
+
+
+class ReducesInNoSync(ReferenceDDP):
+    def _on_grad_ready(self, p):
+        b, i, k = self._slot[id(p)]
+        self._take(p, b, i, k)
+        self._missing[b] -= 1           # (no_sync ignored: every micro-batch communicates)
+        while self._next < len(self._missing) and self._missing[self._next] == 0:
+            self._launch(self._next)
+
+
+def _m(name, story, cls, expect):
+    return Mistake(name, story, {"engine": cls}, expect)
+
+
+MISTAKES = (
+    _m("no_divide", "all-reduced the buckets without dividing by N", NoDivide, "not_divided"),
+    _m("grad_not_a_view", "copied the gradient into the bucket but left p.grad as it was", GradNotAView,
+       "not_reduced"),
+    _m("adds_to_old_slot", "added the step's first gradient to its slot instead of copying it",
+       AddsToOldSlot, "not_reset"),
+    _m("launches_on_first_gradient", "launched a bucket when its first gradient arrived",
+       LaunchesOnFirstGradient, "launched_early"),
+    _m("forgets_to_wait", "launched the last buckets but did not wait for them", ForgetsToWait, "not_waited"),
+    _m("launches_after_backward", "launched every bucket at the end of backward", LaunchesAfterBackward,
+       "no_overlap"),
+    _m("one_all_reduce_per_gradient", "all-reduced each gradient of a bucket on its own",
+       OneAllReducePerGradient, "per_parameter"),
+    _m("reduces_in_no_sync", "reduced the buckets inside no_sync() too", ReducesInNoSync,
+       "reduced_in_no_sync"),
+)

@@ -1,0 +1,112 @@
+"""Lab 6's planted mistakes: ZeRO-3's own unit lifecycle and prefetch (ReferenceUnit,
+ReferenceZeRO3) with one thing wrong, as students write it. Each must fail the grader with the
+failure named in `expect`."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .lab import Mistake
+from .zero3 import ReferenceUnit, ReferenceZeRO3, mark_released
+
+
+class PrefetchesTwoAhead(ReferenceZeRO3):
+    def _prefetch_after(self, order, u, phase):
+        i = order.index(u)
+        for v in order[i + 2:i + 2 + self.prefetch]:      # (skips the unit needed next)
+            v.gather(phase)
+
+
+class PrefetchesItself(ReferenceZeRO3):
+    def _prefetch_after(self, order, u, phase):
+        u.gather(phase)                 # (u is already being gathered: nothing travels ahead)
+
+
+class NoDivide(ReferenceUnit):
+    def reduce_scatter(self):
+        b = self.buckets["train"]
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(b.padded_numel, dtype=b.data.dtype)
+        out = torch.empty(b.padded_numel // b.world_size, dtype=self.grad_full.dtype)   # (never divided by N)
+        self._rs = (self.comm.reduce_scatter(out, self.grad_full, async_op=True, tag=f"reduce:{self.name}"), out)
+
+
+class OverwritesShard(ReferenceUnit):
+    def finish_reduce(self):
+        handle, out = self._rs
+        handle.wait()
+        self._rs, self.grad_full = None, None
+        self.grad_shard = out           # (a second micro-batch replaces the first)
+
+
+class KeepsFullGradient(ReferenceUnit):
+    def finish_reduce(self):
+        handle, out = self._rs
+        handle.wait()
+        self._rs = None                 # (grad_full is kept)
+        self.grad_shard = out if self.grad_shard is None else self.grad_shard + out
+
+
+class KeepsMemory(ReferenceUnit):
+    def release(self, phase):
+        if self.handles:
+            self.wait(phase)
+        if not self.gathered:
+            return
+        mark_released(self.params, True)    # (marked released, but the memory is not freed)
+        self.gathered = False
+
+
+class WaitDoesNotWait(ReferenceUnit):
+    def wait(self, phase):
+        if self.gathered:
+            return 0.0
+        self.gather(phase)
+        self.handles = {}               # (forgets the handles without waiting for them)
+        self.gathered = True
+        mark_released(self.params, False)
+        return 0.0
+
+
+class AllReduces(ReferenceUnit):
+    def reduce_scatter(self):
+        b = self.buckets["train"]
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(b.padded_numel, dtype=b.data.dtype)
+        self.grad_full.div_(b.world_size)
+        handle = self.comm.all_reduce(self.grad_full, async_op=True, tag=f"reduce:{self.name}")
+        self._rs = (handle, None)
+
+    def finish_reduce(self):
+        handle, _ = self._rs
+        handle.wait()
+        mine = self.grad_full[self.buckets["train"].shard(dist.get_rank())].clone()
+        self._rs, self.grad_full = None, None
+        self.grad_shard = mine if self.grad_shard is None else self.grad_shard + mine
+
+
+def _unit(name, story, cls, expect):
+    return Mistake(name, story, {"unit": cls}, expect)
+
+
+def _engine(name, story, cls, expect):
+    return Mistake(name, story, {"engine": cls}, expect)
+
+
+MISTAKES = (
+    _engine("prefetches_two_ahead", "prefetched the unit after the next one", PrefetchesTwoAhead,
+            "prefetch_wrong_unit"),
+    _engine("prefetches_itself", "prefetched the unit that was about to run anyway", PrefetchesItself,
+            "no_prefetch"),
+    _unit("no_divide", "reduce-scattered the gradient without dividing by N", NoDivide, "not_divided"),
+    _unit("overwrites_shard", "kept the last micro-batch's gradient shard instead of adding to it",
+          OverwritesShard, "lost_micro_batch"),
+    _unit("keeps_full_gradient", "kept the full gradient after its reduce-scatter", KeepsFullGradient,
+          "full_gradient_kept"),
+    _unit("keeps_memory", "released a unit without freeing its memory", KeepsMemory, "parameters_kept"),
+    _unit("wait_does_not_wait", "marked a unit gathered without waiting for its all-gather",
+          WaitDoesNotWait, "used_before_gathered"),
+    _unit("all_reduces", "all-reduced the unit's gradient and kept this rank's shard", AllReduces,
+          "all_reduce"),
+)
