@@ -113,6 +113,11 @@ class _bounded:
 _progress = {"seq": 0}   # this process's count of watched collectives, across all ledgers
 
 
+def collectives_so_far() -> int:
+    """How many watched collectives this process has entered (every Ledger with a timeout)."""
+    return _progress["seq"]
+
+
 def announce(op: str, tag: str, timeout: float) -> int:
     """Record in the store that this rank enters collective #seq (op, tag); return seq."""
     _progress["seq"] += 1

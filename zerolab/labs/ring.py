@@ -1,6 +1,6 @@
 """Lab 1: the ring reduce-scatter, all-gather and all-reduce, from sends and receives (chapter 4).
 
-The student writes four functions, the ones zerolab.collectives builds its ring collectives from:
+The student writes four functions, the ones zerolab.theory.collectives builds its ring collectives from:
 
     exchange(ledger, send, recv, r, n)          send `send` to the right neighbour while receiving
                                                 `recv` from the left one
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .. import collectives       # the library's ring: the reference
+from ..theory import collectives       # the library's ring: the reference
 from ..comm import Ledger
 from .checks import fmt_bytes
 from .lab import Check, Lab, Wrong
@@ -55,7 +55,7 @@ class RingLedger(Ledger):
         return super().recv(tensor, src, group, tag)
 
 
-# the solution: the library's own ring (zerolab.collectives), under the lab's names
+# the solution: the library's own ring (zerolab.theory.collectives), under the lab's names
 def library_exchange(ledger, send, recv, r, n):
     collectives._exchange(ledger, send, recv, r, n, tag="ring")
 

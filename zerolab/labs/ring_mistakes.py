@@ -1,4 +1,4 @@
-"""Lab 1's planted mistakes: zerolab.collectives' ring with one thing wrong, as students write it.
+"""Lab 1's planted mistakes: zerolab.theory.collectives' ring with one thing wrong, as students write it.
 Each must fail the grader with the failure named in `expect`."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def runs_backwards(ledger, send, recv, r, n):
 
 
 def _exchange(ledger, send, recv, r, n):
-    from ..collectives import _exchange as library
+    from ..theory.collectives import _exchange as library
     library(ledger, send, recv, r, n, "ring")
 
 
@@ -58,7 +58,7 @@ def gathers_into_the_wrong_chunk(chunks, ledger, r, n):
 
 
 def forgets_the_all_gather(tensor, ledger):
-    from ..collectives import _reduce_scatter_chunks, _ring
+    from ..theory.collectives import _reduce_scatter_chunks, _ring
     ledger, r, n = _ring(ledger)
     _reduce_scatter_chunks(list(torch.tensor_split(tensor.view(-1), n)), ledger, r, n, "ring")
 

@@ -15,7 +15,7 @@ import textwrap
 from dataclasses import dataclass, field
 
 from ..launch import launch
-from ..launch_results import LaunchError
+from ..launch import LaunchError
 from .lab import Wrong
 from .plugins import FileProblem, for_spec
 from .worker import load_lab, run_cases

@@ -22,7 +22,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from .. import comm, watchdog
 from .lab import LABS, Stop
 from .plugins import FileProblem, for_spec
 
@@ -84,12 +84,12 @@ def _blame(exc, path):
 def _still_in_step(case: int, timeout: float) -> bool:
     """Meet the other ranks through the store; True if every rank issued as many collectives.
 
-    (zerolab.comm counts every collective a Ledger with a timeout announces, in this process.)
+    (zerolab.watchdog counts every collective a Ledger with a timeout announces, in this process.)
     """
     if dist.get_world_size() == 1:
         return True
     store = dist.distributed_c10d._get_default_store()
-    store.set(f"zerolab/labs/{case}/{dist.get_rank()}", str(comm._progress["seq"]))
+    store.set(f"zerolab/labs/{case}/{dist.get_rank()}", str(watchdog.collectives_so_far()))
     keys = [f"zerolab/labs/{case}/{r}" for r in range(dist.get_world_size())]
     before = store.timeout
     store.set_timeout(datetime.timedelta(seconds=3 * timeout + 10))

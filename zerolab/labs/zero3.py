@@ -1,7 +1,7 @@
 """Lab 6: ZeRO-3: a unit's gather, release and reduce-scatter, with one-unit prefetch (chapter 8).
 
-The student writes the lifecycle of a unit (zerolab.engines.units.Unit, the methods chapter 8
-prints) and the choice of what to prefetch (zerolab.engines.zero3_schedule.UnitSchedule); WHEN the
+The student writes the lifecycle of a unit (zerolab.engines.zero3.units.Unit, the methods chapter 8
+prints) and the choice of what to prefetch (zerolab.engines.zero3.schedule.UnitSchedule); WHEN the
 hooks call them, the step and everything else are the library's:
 
     Unit.gather(phase)       start the all-gather of the full buffer (nothing if done or under way)
@@ -19,9 +19,9 @@ moment a unit is used before its all-gather has finished.
 from __future__ import annotations
 
 # the library's code: its seams are the reference
-from ..engines.units import Unit, _mark_released, _storage_alloc, _storage_free
+from ..engines.zero3.units import Unit, _mark_released, _storage_alloc, _storage_free
 from ..engines.zero3 import ZeRO3
-from ..engines.zero3_schedule import UnitSchedule
+from ..engines.zero3.schedule import UnitSchedule
 from .checks import Piece, check_collectives, check_parity, fmt_bytes, per_step
 from .engine_run import moved, record_run, stub
 from .lab import Check, Lab, Stop, Wrong
@@ -69,7 +69,6 @@ class ZeRO3Lab(ZeRO3):
         super()._build_units(found, init_fn, group_of)
         self.trace = []             # the grader's: ("gather" | "use", unit name, phase), in order
         for u in self.units:
-            u.__class__ = self.unit_class
             u.comm = _UnitLedger(self, u)
 
     def _use(self, u, phase):

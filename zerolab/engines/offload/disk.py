@@ -116,6 +116,7 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
     offload = "disk"
 
     takes = ZeRO3.takes + options.OFFLOAD
+    unit_class = DiskUnit
     pager = None                        # made by the first unit built (it needs this rank's number)
 
     def _read_options(self, opts, model) -> None:
@@ -127,7 +128,6 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
         """Each unit goes to its files as soon as it exists: at most one is ever in memory."""
         if self.pager is None:
             self.pager = Pager(os.path.join(self.offload_dir, f"rank{self.rank}"))
-        u.__class__ = DiskUnit
         u.pager = self.pager
         if u.master is not None:        # the host master (in fp32 a copy of the shard, not it)
             h = host_empty(u.master.shape, torch.float32)

@@ -93,6 +93,7 @@ class ZeRO3(UnitSchedule, Engine):
     reduces_in_no_sync = True             # every backward reduces (see no_sync)
 
     takes = options.ZERO_3      # the data-parallel options, units', and ZeRO++ / HSDP's
+    unit_class = Unit           # what the model is cut into (offload="disk": DiskUnit; the labs': yours)
 
     def __init__(self, model: nn.Module, optimizer=None, **keywords):
         opts = EngineOptions.parse(type(self).__name__, self.takes, keywords, self.stage)
@@ -194,7 +195,7 @@ class ZeRO3(UnitSchedule, Engine):
         specs, groups, refs = group_params(self.model, found)
         self.units = []
         for i, ((name, module), params) in enumerate(zip(specs, groups)):
-            u = Unit(i, name, module, params, self.comm, self._event, self.route)
+            u = self.unit_class(i, name, module, params, self.comm, self._event, self.route)
             u.materialize(self.model, refs, init_fn, self.route.shard_size, self.shard_rank, self._src,
                           self.precision.compute_dtype, self.precision.policy.needs_master, group_of)
             self.units.append(u)
