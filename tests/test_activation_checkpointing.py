@@ -12,6 +12,8 @@ from zerolab.mesh import Mesh
 from zerolab.models import GPT, gpt_config, gpt_loss
 from zerolab.tensor_parallel import TensorParallelGPT
 
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
+
 
 
 def _held_per_block(make_model, setup, batch):

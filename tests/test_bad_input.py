@@ -14,6 +14,8 @@ import zerolab as zl
 from zerolab import checkpoint, memory, models
 from zerolab.data import CharDataset
 
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
+
 ADAM = functools.partial(torch.optim.AdamW, lr=1e-3)
 
 

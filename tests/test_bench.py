@@ -7,6 +7,8 @@ import pytest
 
 from zerolab import bench, memory
 
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
+
 
 @pytest.fixture(scope="module")
 def summary():

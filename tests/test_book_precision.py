@@ -67,6 +67,7 @@ def test_inputs_are_exact_fp16_numbers():
         assert torch.equal(reduction_dtype.inputs(r).double(), m * torch.pow(2.0, e))
 
 
+@pytest.mark.slow
 def test_gloo_all_reduce_adds_in_fp16():
     results = zl.launch(reduction_dtype.all_reduce_fp16, 3)
     xs = [reduction_dtype.inputs(r) for r in range(3)]

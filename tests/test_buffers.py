@@ -9,11 +9,14 @@ stay fp32 and the modules holding them compute in fp32 (as autocast keeps BatchN
 
 from functools import partial
 
+import pytest
 import torch
 
 import zerolab as zl
 
 from helpers import BatchNormNet, my_rows
+
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
 
 STEPS = 3
 LR = 0.1

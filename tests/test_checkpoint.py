@@ -11,6 +11,8 @@ import zerolab as zl
 from zerolab import checkpoint, data, models
 from zerolab.checkpoint.files import with_digest
 
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
+
 # (name, model, engine, precision); GPT nano and the awkward model (frozen, unused, tied, odd sizes)
 SPECS = [
     ("gpt-ddp", "gpt", "ddp", "fp32"),

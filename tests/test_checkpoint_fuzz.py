@@ -146,6 +146,7 @@ def test_the_next_save_removes_what_an_interrupted_save_left(tmp_path):
     checkpoint.load(small_engine(), path)          # and the checkpoint itself is whole
 
 
+@pytest.mark.slow
 def test_a_save_directory_that_is_a_file_is_refused_before_training(tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
@@ -193,6 +194,7 @@ def save_into_a_directory_of_its_own(root):
     return "saved"
 
 
+@pytest.mark.slow
 def test_ranks_saving_into_directories_that_are_not_shared_are_told_so(tmp_path):
     # rank 0 could not find rank 1's shard: a raw FileNotFoundError on rank 0, a collective
     # error on rank 1; now both ranks say the same thing, and nothing is left

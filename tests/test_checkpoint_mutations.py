@@ -39,6 +39,8 @@ from zerolab.checkpoint.files import with_digest
 from zerolab.checkpoint.reader import CheckpointError
 from zerolab.models import AwkwardModel
 
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
+
 CASES = 60           # per family: about a second each
 
 

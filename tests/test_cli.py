@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
+
 
 def _run(args, **kw):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -13,6 +13,8 @@ from zerolab.theory.collectives import (naive_reduce, ring_all_gather, ring_all_
                                  ring_reduce_scatter)
 from zerolab.comm import Ledger
 
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
+
 _rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

@@ -41,6 +41,7 @@ def ledger_worker(numel):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_ledger_collectives_and_ring_bytes(world_size):
     numel = 1001  # odd on purpose
@@ -103,6 +104,7 @@ def diverging_schedule(timeout):
     return steps
 
 
+@pytest.mark.slow
 def test_stuck_rank_trips_the_ledger_timeout():
     import time
     start = time.monotonic()
@@ -115,6 +117,7 @@ def test_stuck_rank_trips_the_ledger_timeout():
     assert "rank 1 (last at #1 all_reduce 'warm-up')" in msg
 
 
+@pytest.mark.slow
 def test_diverging_schedules_are_named():
     with pytest.raises(zl.LaunchError) as info:
         zl.launch(diverging_schedule, 2, args=(2.0,), timeout=60)
@@ -133,6 +136,7 @@ def blocking_point_to_point():
     return t.tolist(), led.bytes()
 
 
+@pytest.mark.slow
 def test_blocking_send_and_recv():
     out = zl.launch(blocking_point_to_point, 2)
     assert out == [([0.0, 0.0, 0.0], 12), ([0.0, 1.0, 2.0], 0)], "the sender counts the bytes it sends"

@@ -17,6 +17,8 @@ import torch.nn as nn
 import zerolab as zl
 from tolerances import fp32_adamw_tol
 
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
+
 STEPS = 3
 
 

@@ -270,6 +270,7 @@ IDEAL = cm.Cluster("one node, no latency", 8, cm.Link("nv", 1e9, 1.0, 0.0), cm.L
                    1e15, 0.5, 0.0)
 
 
+@pytest.mark.slow
 def test_wire_bytes_equal_the_ledgers_ring_bytes():
     numel = 2 * 3 * 4 * 101                       # divisible by every group size below
     results = zl.launch(ledger_bytes_worker, 4, args=((2, 3, 4), numel), timeout=120)

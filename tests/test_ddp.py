@@ -15,6 +15,8 @@ from tolerances import fp32_adamw_tol
 from zerolab.models import AwkwardModel
 from zerolab.engines.single import SingleProcess
 
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
+
 STEPS = 4
 # Adam divides by sqrt(v) + eps, so a gradient component that is nearly zero turns rounding
 # noise into an update of up to ~lr: two correct summation orders (N ranks vs one process,

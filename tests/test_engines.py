@@ -14,6 +14,8 @@ from zerolab.engines.zero1 import ZeRO1
 from zerolab.engines.zero2 import ZeRO2
 from zerolab.engines.zero3 import ZeRO3
 
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
+
 OPT = partial(torch.optim.AdamW, lr=1e-3)
 EXPECTED = {"single": (SingleProcess, None), "naive": (NaiveDDP, None), "ddp": (DDP, None),
             "zero1": (ZeRO1, 1), "zero2": (ZeRO2, 2), "zero3": (ZeRO3, 3)}

@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 import zerolab as zl
 
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
+
 TIMEOUT = 3.0
 BOUND = 40.0
 

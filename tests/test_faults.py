@@ -13,6 +13,8 @@ import zerolab as zl
 from zerolab import checkpoint, data, models, train
 from zerolab.launch import LaunchError
 
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
+
 
 def _children():
     """PIDs of this process's live descendants, except its direct children (the fork server

@@ -6,6 +6,7 @@ the results leave through engine.state_dict() and torch.save, to be read back by
 nn.Module (weights_only=True) and by another engine.
 """
 
+import pytest
 import io
 from functools import partial
 
@@ -15,6 +16,8 @@ import torch.distributed as dist
 import zerolab as zl
 
 from helpers import KwNet, batch, hf_gpt2, one_step_fewer, tokens
+
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
 
 LR, MAX_NORM, STEPS = 0.1, 0.5, 3
 

@@ -21,6 +21,8 @@ import zerolab as zl
 
 from helpers import BatchNormNet, KwNet, batch, hf_gpt2, make_grouped, my_rows, one_step_fewer, tokens, train_groups
 
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
+
 ALL = list(zl.engines.NAMES)
 DP = [n for n in ALL if n != "single"]
 SGD = partial(torch.optim.SGD, lr=0.1)

@@ -16,6 +16,8 @@ import torch.distributed as dist
 import zerolab as zl
 from zerolab.comm import Ledger
 
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
+
 
 def collectives_for(seconds):
     """A healthy rank: a small all-reduce every 0.2 s for `seconds`, through a zerolab Ledger."""

@@ -17,6 +17,8 @@ from zerolab.labs import LABS, grade_cases
 from zerolab.labs.__main__ import main as labs_cli
 from zerolab.labs.worker import load_lab
 
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
+
 LABS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "labs")
 CRASHING = textwrap.dedent('''
     from zerolab.labs.ddp import ReferenceDDP

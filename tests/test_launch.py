@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
+
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
 launch_module = sys.modules["zerolab.launch.parent"]  # the module (zl.launch is the function)
 
 

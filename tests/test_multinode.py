@@ -6,6 +6,7 @@ continues on ONE node with ONE rank (twice the batch per rank, the same global b
 result is compared with a run that never stopped, on 2 ranks under zl.launch.
 """
 
+import pytest
 import os
 import re
 import socket
@@ -14,6 +15,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 SMALL = ["--size", "nano", "--steps", "6", "--plot", "", "--no-progress", "--collective-timeout", "10"]

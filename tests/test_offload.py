@@ -44,6 +44,8 @@ from zerolab.models import GPT, gpt_config
 
 from tolerances import fp32_adamw_tol
 
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
+
 OPT = PARITY_ADAMW
 STEPS = 3
 

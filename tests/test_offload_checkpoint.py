@@ -42,6 +42,8 @@ from zerolab.checkpoint.reader import CheckpointError
 from zerolab.data import CharDataset
 from zerolab.models import GPT, gpt_config, gpt_loss
 
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
+
 OPT = PARITY_ADAMW
 
 

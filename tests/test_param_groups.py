@@ -8,6 +8,7 @@ weight decay applied to the wrong elements moves them by ~1e-3 per step; two sum
 of the same gradient differ by a few ulp, which AdamW's normalised step keeps below 1e-6 here.
 """
 
+import pytest
 import os
 import tempfile
 
@@ -16,6 +17,8 @@ import torch
 import zerolab as zl
 
 from helpers import FACTORIES, make_grouped, model_under_test, train_groups
+
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
 
 STEPS = 3
 TOL = 1e-6

@@ -139,6 +139,7 @@ def fp16_that_overflows_every_step():
     return applied, "never gave up", dist.get_rank()
 
 
+@pytest.mark.slow
 def test_an_fp16_run_that_only_overflows_stops_loudly_on_every_rank():
     for applied, message, rank in zl.launch(fp16_that_overflows_every_step, 2):
         # 8 -> 4 -> 2 -> 1: three skipped steps back off to the floor, the fourth gives up
@@ -168,6 +169,7 @@ def fp16_gives_up_naming_the_module(kind):
     return "never gave up"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ddp", "zero3"])
 def test_the_fp16_give_up_names_the_module_that_overflowed(kind):
     # an independent reference for "which module": Boost is the only module whose output can
@@ -262,6 +264,7 @@ def _sharded_worker(seed):
     return norm, shard, clean, dirty, ok, [rec.op for rec in ledger.records]
 
 
+@pytest.mark.slow
 def test_sharded_clip_and_agreed_overflow():
     out = zl.launch(_sharded_worker, world_size=2, args=(3,))
     full = torch.randn(10, generator=torch.Generator().manual_seed(3)) * 3

@@ -20,6 +20,8 @@ import torch.nn as nn
 import zerolab as zl
 from tolerances import fp32_adamw_tol
 
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
+
 DP = [n for n in zl.engines.NAMES if n != "single"]
 N, STEPS, LR = 2, 3, 0.1
 SGD_TOL = 1e-6

@@ -21,6 +21,8 @@ import zerolab as zl
 from zerolab.memory import optimizer_tensors
 from tolerances import fp32_adamw_tol
 
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
+
 STEPS = 3
 ADAMW = dict(lr=1e-3, eps=1e-6, weight_decay=0.1)
 

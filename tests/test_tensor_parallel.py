@@ -10,6 +10,8 @@ from zerolab.mesh import Mesh
 from zerolab.models import GPT, gpt_config, gpt_loss
 from zerolab.tensor_parallel import TensorParallelGPT, dense_grad_shard
 
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
+
 
 def mesh_layout(dp, mp):
     m = Mesh(dp=dp, mp=mp)

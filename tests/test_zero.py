@@ -25,6 +25,8 @@ from zerolab.memory import model_state_bytes
 from zerolab.models import GPT, AwkwardModel, gpt_config, gpt_loss, num_params, regression_loss
 from zerolab.engines.single import SingleProcess
 
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
+
 STEPS = 3
 # eps=1e-6 bounds how much Adam amplifies rounding noise on near-zero gradients (tests/tolerances.py)
 OPT = PARITY_ADAMW

@@ -28,6 +28,8 @@ from zerolab.models import gpt_init
 from zerolab.engines.zero3.units import measure_peak
 from zerolab.engines.zero3 import ZeRO3
 
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
+
 STEPS = 3
 # eps=1e-6 bounds how much Adam amplifies summation-order rounding (tests/tolerances.py)
 OPT = PARITY_ADAMW

@@ -19,6 +19,8 @@ from zerolab.mesh import Mesh
 from zerolab.models import GPT, gpt_config, gpt_loss
 from zerolab.tensor_parallel import TensorParallelGPT
 
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
+
 STEPS = 3
 MODES = {"none": {}, "ckpt": dict(checkpoint_activations=True),
          "pa": dict(checkpoint_activations=True, partition_activations=True),

@@ -17,6 +17,8 @@ from zerolab import checkpoint, quantize as qz
 from zerolab.data import CharDataset
 from zerolab.models import GPT, gpt_config, gpt_loss
 
+pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
+
 N, G, M = 4, 2, 2              # ranks, ranks per node, nodes
 STEPS, B = 2, 2
 OPT = partial(torch.optim.AdamW, lr=1e-3, eps=1e-6, weight_decay=0.1)
