@@ -18,13 +18,15 @@ class MyZeRO1(ZeRO1Lab):
     def _lay_out_masters(self):
         """Decide, once, what this rank owns and its optimizer updates (fp32 training).
 
-        self.shards[b] (a slice): this rank's part of bucket b. Cut each bucket's PADDED flat buffer
+        self.shards (a list you create, one slice per bucket): this rank's part of bucket b is
+        self.shards[b]. Cut each bucket's PADDED flat buffer
         (bucket.padded_numel elements, a multiple of N) into N equal contiguous slices, slice r for
         rank r: the parts a reduce-scatter hands out. Then make every parameter a view into its
         bucket's flat buffer (self.buckets.bind_params()) and set self.master_shards[b], the tensor
         the optimizer updates for bucket b: the owned slice of bucket.data itself (a view, so the
-        optimizer updates the model's own weights). self.flat_masters and self.masters are the same
-        list as self.master_shards. Set self._out = {} if you use it."""
+        optimizer updates the model's own weights; a copy would be updated and never reach the
+        model). Then set self.flat_masters and self.masters to that same list (the step and the
+        reducer read them under those names). Set self._out = {} if you use it."""
         raise NotImplementedError("_lay_out_masters")
 
     def _reduce(self, b):
@@ -36,7 +38,8 @@ class MyZeRO1(ZeRO1Lab):
 
     def _complete(self, b):
         """Bucket b's reduce-scatter has finished: write its result into this rank's slice of the
-        bucket's gradient (self.buckets.buckets[b].grad[self.shards[b]]), which the step reads."""
+        bucket's gradient (self.buckets.buckets[b].grad[self.shards[b]]), which the step reads.
+        (The rest of the buffer may keep this rank's own, unreduced gradients: nothing reads them.)"""
         raise NotImplementedError("_complete")
 
     def _publish(self):

@@ -241,24 +241,26 @@ class Ledger:
                        async_op=False, tag=""):
         """output <- this rank's 1/N slice of op over ranks of the full `input`."""
         red = _reduce_op(op)
-        g = self.group if group is None else group
-        if input.numel() != output.numel() * _group_size(g):
-            raise ValueError(f"reduce_scatter: input has {input.numel()} elements; it must be "
-                             f"output ({output.numel()}) times the group size ({_group_size(g)})")
-        if _group_size(g) == 1:
-            output.copy_(input.view_as(output))
+        self._one_nth("reduce_scatter", output, input, group, whole="input")
         return self._run("reduce_scatter", input.numel(), input.dtype, lambda n: (n - 1) / n,
                          lambda g_, a: _reduce_scatter(output, input, op=red, group=g_, async_op=a),
                          group, async_op, tag)
 
+    def _one_nth(self, op, output, input, group, whole: str) -> None:
+        """`whole` ("input" or "output") must hold N times the other's elements; with a group of
+        one there is nothing to communicate: output <- input."""
+        n = _group_size(self.group if group is None else group)
+        big, small = (input, output) if whole == "input" else (output, input)
+        part = "output" if whole == "input" else "input"
+        if big.numel() != small.numel() * n:
+            raise ValueError(f"{op}: {whole} has {big.numel()} elements; it must be "
+                             f"{part} ({small.numel()}) times the group size ({n})")
+        if n == 1:
+            output.copy_(input.view_as(output))
+
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group=None, async_op=False, tag=""):
         """output <- the concatenation of every rank's `input`."""
-        g = self.group if group is None else group
-        if output.numel() != input.numel() * _group_size(g):
-            raise ValueError(f"all_gather: output has {output.numel()} elements; it must be "
-                             f"input ({input.numel()}) times the group size ({_group_size(g)})")
-        if _group_size(g) == 1:
-            output.copy_(input.view_as(output))
+        self._one_nth("all_gather", output, input, group, whole="output")
         return self._run("all_gather", output.numel(), output.dtype, lambda n: (n - 1) / n,
                          lambda g_, a: _all_gather(output, input, group=g_, async_op=a),
                          group, async_op, tag)

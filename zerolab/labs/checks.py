@@ -155,11 +155,18 @@ def check_weights(seen, piece: Piece, expected: dict, before: dict, rank: int, s
     stale = (seen - old).abs() <= tol
     owner = "" if owners is None else f" (rank {owners(bad)} updates it)"
     if bool(stale[bad]):
-        raise Wrong("not_updated", f"after step {step}, rank {rank}'s weights in {piece.label} are not "
+        own = owners is not None and owners(bad) == rank
+        # this rank's OWN element unchanged: its optimizer never wrote into the model's weights
+        # (a copy was updated); another rank's: that rank's update never arrived (no all-gather)
+        hint = ("this rank's own slice did not change, so the optimizer updated a tensor that is not "
+                "the model's: the tensor it steps (master_shards[b]) must be a view of bucket.data "
+                "(in fp32), or be copied back into it after the step." if own else
+                "after the optimizer updates its slice, every rank must get every slice: all-gather "
+                "the parameters.")
+        raise Wrong("not_updated_own" if own else "not_updated",
+                    f"after step {step}, rank {rank}'s weights in {piece.label} are not "
                     f"updated: {piece.where(bad)}{owner} still holds its value from before the step "
-                    f"({_num(old, bad)}; one process has {_num(wanted, bad)}).",
-                    "after the optimizer updates its slice, every rank must get every slice: all-gather "
-                    "the parameters.", step)
+                    f"({_num(old, bad)}; one process has {_num(wanted, bad)}).", hint, step)
     raise Wrong("weights", f"after step {step}, rank {rank}'s weight {piece.where(bad)} in {piece.label}{owner} is "
                 f"{_num(seen, bad)}; one process on the global batch has {_num(wanted, bad)} (tolerance "
                 f"{tol:.0e}).", "the gradients were right, so look at what happens after backward.", step)

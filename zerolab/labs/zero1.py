@@ -38,11 +38,12 @@ class ZeRO1Lab(ZeRO1):
     self._out                 a dict you may use: bucket -> the reduce-scatter's output until _complete
     self.rank, self.world_size, self.device
     self.comm                 the ledger: reduce_scatter(out, in, async_op=True, tag=...) -> handle,
-                              all_gather(out, in, tag=...) (blocking without async_op)
+                              all_gather(out, in, tag=...) (blocking without async_op; `out` one
+                              flat tensor N times `in`, every rank's `in` in rank order)
 
     and what you set in _lay_out_masters: self.shards[b], the slice of bucket b this rank owns,
-    and self.master_shards[b], the tensor the optimizer updates for it (also known as
-    self.flat_masters and self.masters: the same list).
+    and self.master_shards[b], the tensor the optimizer updates for it; you also set
+    self.flat_masters and self.masters to that same list (the names the step reads).
     """
 
     def _setup_storage(self):

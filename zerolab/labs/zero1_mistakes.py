@@ -45,6 +45,13 @@ class NoDivide(ReferenceZeRO1):
         return self.comm.reduce_scatter(self._out[b], flat, async_op=True, tag=f"bucket{b}")
 
 
+class CopiedMasters(ReferenceZeRO1):
+    def _lay_out_masters(self):
+        super()._lay_out_masters()
+        # (the fp16 habit, in fp32: the optimizer steps copies that never reach the model)
+        self.master_shards[:] = [m.detach().clone() for m in self.master_shards]
+
+
 class NoAllGather(ReferenceZeRO1):
     def _publish(self):
         pass                            # (fp32: the owned slices are updated in place; the rest never arrives)
@@ -64,4 +71,6 @@ MISTAKES = (
     _m("no_divide", "reduce-scattered without dividing by N", NoDivide, "not_divided"),
     _m("no_all_gather", "stepped the owned slices but never all-gathered the parameters", NoAllGather,
        "not_updated"),
+    _m("copied_masters", "made the master slices copies of the buckets, not views", CopiedMasters,
+       "not_updated_own"),
 )
