@@ -475,3 +475,27 @@ def delayed_with_a_scheduler():
 def test_a_scheduler_under_delay_update_changes_the_next_step_not_the_one_in_flight():
     # each update uses the learning rate of the step() that started it: 1e-3, then halved per step
     assert zl.launch(delayed_with_a_scheduler, 1)[0] == [1e-3, 5e-4, 2.5e-4]
+
+
+def on_a_box_with_a_gpu(root):
+    """Offload of CPU tensors where torch reports a GPU: pinning memory would create a CUDA
+    context (hundreds of MB, and here an error: this machine has none). Nothing may be pinned."""
+    torch.cuda.is_available = lambda: True
+    pinned = []
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        pinned.append(bool(kwargs.get("pin_memory")))
+        return real_empty(*args, **{**kwargs, "pin_memory": False})
+    torch.empty = empty
+    try:
+        for stage, mode in ((2, "optimizer"), (3, "disk")):
+            train(stage, "bf16", mode, offload_dir=os.path.join(root, str(stage)), steps=2)
+    finally:
+        torch.empty = real_empty
+    return len(pinned), sum(pinned)
+
+
+def test_cpu_tensors_are_never_pinned_even_where_a_gpu_exists(tmp_path):
+    made, pinned = zl.launch(on_a_box_with_a_gpu, 1, args=(str(tmp_path),))[0]
+    assert made > 0 and pinned == 0, f"{pinned} of {made} host buffers were pinned for CPU tensors"

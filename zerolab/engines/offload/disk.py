@@ -130,7 +130,7 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
             self.pager = Pager(os.path.join(self.offload_dir, f"rank{self.rank}"))
         u.pager = self.pager
         if u.master is not None:        # the host master (in fp32 a copy of the shard, not it)
-            h = host_empty(u.master.shape, torch.float32)
+            h = host_empty(u.master.shape, torch.float32, u.master.is_cuda)
             h.copy_(u.master.detach())
             u.master = nn.Parameter(h)
             # with several parameter groups the engine next cuts views of each master (one per
@@ -202,7 +202,7 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
         train = self._trained()
         scaler = self.precision.scaler
         inv = None if scaler is None else 1.0 / scaler.scale
-        sums, sq, finite = [], torch.zeros(1, dtype=torch.float32), True
+        sums, sq, finite = [], None, True
         for i, u in enumerate(train):
             if self.prefetch and i + 1 < len(train) and train[i + 1].grad_shard is not None:
                 self.pager.fetch(train[i + 1].key("grad"))
@@ -212,10 +212,12 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
                 finite = finite and bool(torch.isfinite(g).all())
             else:
                 sums.append(g.sum())
+            if sq is None:              # on the gradients' device (a GPU's, or the CPU)
+                sq = torch.zeros(1, dtype=torch.float32, device=g.device)
             squared_norm([g], into=sq)
             if u.grad_shard is not None:
                 self.pager.out(u.key("grad"), u.grad_shard, dirty=False)
-        self._pass1 = (finite, sums, sq)
+        self._pass1 = (finite, sums, torch.zeros(1) if sq is None else sq)
         return []
 
     def _grads_finite(self, grads) -> bool:
@@ -248,7 +250,7 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
 
     def _update_unit(self, i, u, inv, coef, held):
         g = self._grad_in(u)
-        down = self.transfers.copy(host_empty(g.shape, g.dtype), g, "d2h", tag=f"grad{i}").float()
+        down = self.transfers.copy(host_empty(g.shape, g.dtype, g.is_cuda), g, "d2h", tag=f"grad{i}").float()
         if u.grad_shard is not None:    # (freed now: the host copy is what the step reads)
             self.pager.out(u.key("grad"), u.grad_shard, dirty=False)
         del g

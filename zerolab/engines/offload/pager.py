@@ -48,7 +48,10 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 
 
 def write_file(path: str, t: torch.Tensor) -> None:
-    """t's bytes to `path`, atomically (a temporary file, then os.replace)."""
+    """t's bytes to `path`, atomically (a temporary file, then os.replace). A GPU tensor goes
+    through host memory first: over the bus, then to the disk (ZeRO-Infinity's path)."""
+    if t.device.type != "cpu":
+        t = t.to("cpu")                 # synchronous: the copy is done before t can be freed
     tmp = path + ".tmp"
     with open(tmp, "wb", buffering=0) as f:
         f.write(_bytes_of(t))
@@ -56,7 +59,13 @@ def write_file(path: str, t: torch.Tensor) -> None:
 
 
 def read_file(path: str, t: torch.Tensor) -> None:
-    """`path`'s bytes into t (whose storage is allocated); refuses a file of the wrong size."""
+    """`path`'s bytes into t (whose storage is allocated); refuses a file of the wrong size.
+    A GPU tensor is read into host memory, then copied up."""
+    if t.device.type != "cpu":
+        host = torch.empty(t.shape, dtype=t.dtype)
+        read_file(path, host)
+        t.copy_(host)
+        return
     buf = _bytes_of(t)
     with open(path, "rb", buffering=0) as f:
         n = f.readinto(buf)
