@@ -27,6 +27,23 @@ def committed_text(cell):
     return "".join(out)
 
 
+def _stand_in_for_myst_nb():
+    """The chapters glue numbers into their prose with myst_nb.glue, which needs Jupyter Book;
+    a GPU box without it gets a stand-in that displays the value, as glue does in a notebook."""
+    try:
+        import myst_nb  # noqa: F401
+    except ImportError:
+        import types
+        from IPython.display import display
+        stand_in = types.ModuleType("myst_nb")
+
+        def glue(name, variable, display_value=True, **_):
+            if display_value:
+                display(variable)
+        stand_in.glue = glue
+        sys.modules["myst_nb"] = stand_in
+
+
 def main(nb_path, out_path):
     os.environ.setdefault("MPLBACKEND", "Agg")
     nb_path = os.path.abspath(nb_path)
@@ -34,6 +51,7 @@ def main(nb_path, out_path):
         nb = json.load(f)
     os.chdir(os.path.dirname(nb_path))
     sys.path.insert(0, os.path.dirname(nb_path))
+    _stand_in_for_myst_nb()
     from IPython.core.interactiveshell import InteractiveShell
     from IPython.utils.capture import capture_output
     shell = InteractiveShell.instance()
