@@ -762,3 +762,18 @@ def test_start_up_tracebacks_go_to_a_private_directory_and_follow_no_link(tmp_pa
     with pytest.raises(OSError):
         launch_startup._write("a traceback")
     assert victim.read_text() == "precious"
+
+
+@pytest.mark.parametrize("gpus, local_ranks, want", [(0, 2, "gloo"), (1, 2, "gloo"), (2, 2, "cpu:gloo,cuda:nccl"),
+                                                     (8, 4, "cpu:gloo,cuda:nccl"), (1, 1, "cpu:gloo,cuda:nccl")])
+def test_under_torchrun_every_rank_of_a_node_picks_the_same_backend(gpus, local_ranks, want, monkeypatch):
+    """One GPU and two ranks: both on gloo (rank 0 on NCCL and rank 1 on gloo would never meet)."""
+    from zerolab.launch import in_place
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
+    for local in range(local_ranks):
+        monkeypatch.setenv("LOCAL_RANK", str(local))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert in_place.backend_for_this_node() == want, (gpus, local_ranks, local)

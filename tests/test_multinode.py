@@ -62,7 +62,9 @@ def _free_port():
         return s.getsockname()[1]
 
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+# CPU ranks (gloo), as the reference run: two "nodes" on one machine would otherwise both take
+# its GPU 0 under NCCL, which refuses two ranks on one GPU
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
 def test_two_nodes_train_lose_one_and_resume_on_one_node_as_if_never_stopped(tmp_path):

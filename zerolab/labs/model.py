@@ -76,9 +76,14 @@ def global_micro_batch(step: int, micro: int, n: int):
 
 def loss_of(model, batch, micros: int):
     """The mean squared error of a micro-batch, divided by the step's number of micro-batches: the
-    gradients of a step's micro-batches then add up to the gradient of the step's mean loss."""
+    gradients of a step's micro-batches then add up to the gradient of the step's mean loss.
+    Output and target in one dtype first (an fp16 or bf16 model's output goes to the target's
+    fp32): torch 2.11's mse_loss backward fails on mixed dtypes ("Found dtype Float but expected
+    Half"), and promoting here computes what later versions do themselves."""
     x, y = batch
-    return F.mse_loss(model(x), y) / micros
+    out = model(x)
+    dtype = torch.promote_types(out.dtype, y.dtype)
+    return F.mse_loss(out.to(dtype), y.to(dtype)) / micros
 
 
 def train(engine, after_backward=None, after_step=None, backward=None) -> None:

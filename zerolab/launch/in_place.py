@@ -52,17 +52,30 @@ def run_in_place(fn, args, world_size_, collective_timeout, timeout=None):
                   f"the world_size={world_size_} argument is ignored.")
     _warn_if_the_store_is_open()
     if not dist.is_initialized():
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        use_nccl = torch.cuda.is_available() and local < torch.cuda.device_count()
-        if use_nccl:
-            torch.cuda.set_device(local)
-        dist.init_process_group(NCCL_WITH_CPU if use_nccl else "gloo",
-                                timeout=datetime.timedelta(seconds=2 * collective_timeout))
+        backend = backend_for_this_node()
+        if backend == NCCL_WITH_CPU:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=2 * collective_timeout))
     with _deadline(timeout):
         value = fn(*args)
         values = [None] * dist.get_world_size()
         dist.all_gather_object(values, value)
     return values
+
+
+def backend_for_this_node() -> str:
+    """NCCL (with gloo for CPU tensors) when this node has a GPU for each of its ranks, else gloo
+    for all of them. Every rank of a node must decide alike: on a node with one GPU and two ranks,
+    a rank 0 on NCCL and a rank 1 on gloo would never meet in a collective. (zl.launch decides
+    the same way for the ranks it starts.)"""
+    if not torch.cuda.is_available():
+        return "gloo"
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", int(os.environ.get("LOCAL_RANK", 0)) + 1))
+    if torch.cuda.device_count() >= local_ranks:
+        return NCCL_WITH_CPU
+    _say_once(f"zerolab.launch: {local_ranks} ranks on this node but {torch.cuda.device_count()} GPU(s); "
+              "NCCL needs a GPU per rank, so every rank of this node uses gloo on the CPU.")
+    return "gloo"
 
 
 @contextlib.contextmanager
