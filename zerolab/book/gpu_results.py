@@ -6,7 +6,7 @@
 The chapters execute on 2 CPU cores with gloo; the files under gpu/results/ were written by
 gpu/run_all.sh on one GPU (see README, "Reproduce the GPU results"). This module only reads
 them: it never touches CUDA and never re-measures, so its output is the same on every machine.
-Chapters with a GPU result: 2, 5, 8, 9, 10.
+Chapters with a GPU result: 2, 5, 8, 9, 10, and 11-13 (zerolab.book.gpu_results_ch11_13).
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ import json
 import os
 
 from ..theory.cost_model import H100_PEAK_FLOPS
+from . import gpu_results_ch11_13 as later
 
-CHAPTERS = (2, 5, 8, 9, 10)
+CHAPTERS = (2, 5, 8, 9, 10, 11, 12, 13)
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "gpu",
                        "results")
 FILES = ("parity.json", "bench.json", "bench_rep2.json", "memory_snapshot.json", "profile.json", "offload.json",
-         "overlap.json", "chapters.json")
+         "overlap.json", "chapters.json", "fastpath.json", "offload_cuda.json")
 FIGURES = {5: "profile.png", 9: "memory_snapshot.png", 10: "bench.png"}
 
 
@@ -267,7 +268,10 @@ def _chapter10(results):
     return "\n".join(lines)
 
 
-TEXT = {2: _chapter2, 5: _chapter5, 8: _chapter8, 9: _chapter9, 10: _chapter10}
+TEXT = {2: _chapter2, 5: _chapter5, 8: _chapter8, 9: _chapter9, 10: _chapter10,
+        11: lambda results: later.chapter11(load("fastpath.json", results), load("chapters.json", results), header),
+        12: lambda results: later.chapter12(load("chapters.json", results), header),
+        13: lambda results: later.chapter13(load("offload_cuda.json", results), load("chapters.json", results), header)}
 
 
 def facts(chapter: int, results: str | None = None) -> dict:
