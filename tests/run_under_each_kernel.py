@@ -29,7 +29,7 @@ def capability_in_effect(asked: str) -> str:
 
 def summary(log: str) -> str:
     """pytest's closing line, and the names of the tests that failed or could not run."""
-    closing = [line.strip("= ") for line in log.splitlines() if re.search(r"\d+ (passed|failed|errors?) ", line)]
+    closing = [line.strip("= ") for line in log.splitlines() if re.search(r"\d+ (passed|failed|errors?)\b", line)]
     failed = [line.split(" ", 1)[1].split(" - ")[0] for line in log.splitlines()
               if line.startswith(("FAILED ", "ERROR "))]
     text = closing[-1] if closing else "no pytest summary (see the log)"

@@ -120,7 +120,7 @@ def _bench_intro(b):
             f"{b['matmul_peak']['flops'] / 1e12:.0f} TFLOP/s, so no engine could pass "
             f"{100 * b['matmul_peak']['flops'] / H100_PEAK_FLOPS:.0f}%). Peak = `torch.cuda.max_memory_allocated` over the "
             "timed steps; formula = the paper's model states for the engine's layout (activations come on top). "
-            "Two repetitions on two machine starts: step times move by up to 2x between them for the "
+            "Two repetitions on two machine starts: step times move by a factor of two or more between them for the "
             "engines that launch many small kernels; compare within a repetition.")
 
 
@@ -258,8 +258,8 @@ def _chapter10(results):
     lines = [header(b1["machine"]), "", _bench_intro(b1),
              f"DeepSpeed: {b1['deepspeed']}, installed from its source distribution with no compiled ops, "
              "torch.optim.AdamW as its optimizer, bf16, reduce/all-gather buckets of 25 MB, overlap_comm on. "
-             "At world 1 every ZeRO stage holds the same (there is nothing to shard): chapter 8's table shows "
-             "the per-rank savings at world 2.", "", *BENCH_HEAD]
+             "At world 1 zerolab's three ZeRO stages hold the same (there is nothing to shard; FSDP2 and "
+             "DeepSpeed ZeRO-3 keep other buffers): chapter 8's table shows the per-rank savings at world 2.", "", *BENCH_HEAD]
     for r in b1["runs"]["world1"]["rows"]:
         if r["ran"]:
             lines.append(_bench_row(r, r2.get(r["engine"]), b1, b2))

@@ -105,11 +105,10 @@ def chapter11(fast: dict, chapters: dict, header) -> str:
 def chapter12(chapters: dict, header) -> str:
     ch = chapters["chapters"]["12_zeropp_and_hierarchy.ipynb"]
     lines = [header(ch.get("machine") or chapters["machine"]), "",
-             f"This chapter executed on the GPU box (16 cores, torch {(ch.get('machine') or chapters['machine'])['torch']}; "
-             f"its runs are on the CPU, gloo): every cell ran in {ch['seconds']:.0f} s. "
-             "The parity lines printed the same; the quantised runs' mean losses printed differently in the third "
-             "decimal, since quantising rounds values that another CPU's kernels and another torch compute in "
-             "another order:", ""]
+             f"The same cells on another machine's CPU (torch {(ch.get('machine') or chapters['machine'])['torch']}, "
+             "another processor): the parity lines print the same; the quantised runs' mean losses move in the "
+             "third decimal, since rounding to int8 or int4 amplifies the last bits that another order of "
+             "summation changes:", ""]
     for c in ch["differing_cells"]:
         lines += ["| here | on the GPU box |", "|---|---|"]
         for a, b in zip(c["committed"].splitlines(), c["stdout"].splitlines()):
