@@ -53,7 +53,7 @@ test-kernels: setup
 # library's sources, so a change in zerolab/ re-executes every chapter.
 book: setup
 	@mkdir -p _build
-	@h=$$(cat zerolab/*.py zerolab/*/*.py zerolab/*.txt | sha256sum | cut -c1-16); \
+	@h=$$(find zerolab -name '*.py' -o -name '*.txt' | LC_ALL=C sort | xargs cat | sha256sum | cut -c1-16); \
 	 if [ "$$(cat _build/.zerolab-sources 2>/dev/null)" != "$$h" ]; then \
 	   echo "book: zerolab sources changed, chapters will be re-executed"; rm -rf _build/.jupyter_cache; \
 	 fi; echo $$h > _build/.zerolab-sources
