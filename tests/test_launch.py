@@ -777,3 +777,8 @@ def test_under_torchrun_every_rank_of_a_node_picks_the_same_backend(gpus, local_
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             assert in_place.backend_for_this_node() == want, (gpus, local_ranks, local)
+    # zl.launch starts all its ranks on this machine and decides by the same rule
+    from zerolab.launch import parent
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert parent._choose_backend(local_ranks, None) == ("gloo" if want == "gloo" else "nccl")

@@ -63,19 +63,25 @@ def run_in_place(fn, args, world_size_, collective_timeout, timeout=None):
     return values
 
 
-def backend_for_this_node() -> str:
-    """NCCL (with gloo for CPU tensors) when this node has a GPU for each of its ranks, else gloo
-    for all of them. Every rank of a node must decide alike: on a node with one GPU and two ranks,
-    a rank 0 on NCCL and a rank 1 on gloo would never meet in a collective. (zl.launch decides
-    the same way for the ranks it starts.)"""
+def nccl_fits(ranks: int) -> bool:
+    """Whether NCCL can carry `ranks` ranks on this machine: it needs a GPU for each. When a GPU
+    exists but too few, say once that every rank uses gloo on the CPU instead. The one rule for
+    zl.launch (all ranks on this machine) and for torchrun (the ranks of this node): every rank of
+    a machine must decide alike, since a rank on NCCL and one on gloo never meet in a collective."""
     if not torch.cuda.is_available():
-        return "gloo"
+        return False
+    if torch.cuda.device_count() >= ranks:
+        return True
+    _say_once(f"zerolab.launch: {ranks} ranks on this machine but {torch.cuda.device_count()} GPU(s); "
+              "NCCL needs one GPU per rank, so every rank uses gloo on the CPU.")
+    return False
+
+
+def backend_for_this_node() -> str:
+    """Under torchrun: NCCL (with gloo for CPU tensors) when this node has a GPU for each of its
+    ranks (LOCAL_WORLD_SIZE), else gloo for all of them."""
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", int(os.environ.get("LOCAL_RANK", 0)) + 1))
-    if torch.cuda.device_count() >= local_ranks:
-        return NCCL_WITH_CPU
-    _say_once(f"zerolab.launch: {local_ranks} ranks on this node but {torch.cuda.device_count()} GPU(s); "
-              "NCCL needs a GPU per rank, so every rank of this node uses gloo on the CPU.")
-    return "gloo"
+    return NCCL_WITH_CPU if nccl_fits(local_ranks) else "gloo"
 
 
 @contextlib.contextmanager

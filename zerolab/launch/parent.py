@@ -36,14 +36,13 @@ import socket
 import sys
 import threading
 import time
-import warnings
 import multiprocessing as mp
 
 import torch
 import torch.distributed as dist
 
 from . import output as launch_output, startup as launch_startup, tempdir as launch_tempdir, worker as launch_worker
-from .in_place import run_in_place
+from .in_place import nccl_fits, run_in_place
 from .results import LaunchError, collect
 from ..watchdog import DEFAULT_TIMEOUT, check_timeout
 
@@ -123,21 +122,7 @@ def _check_launchable(fn, world_size, timeout, backend, collective_timeout=DEFAU
 def _choose_backend(world_size: int, backend: str | None) -> str:
     if backend is not None:
         return backend
-    if torch.cuda.is_available():
-        if torch.cuda.device_count() >= world_size:
-            return "nccl"
-        _say_once(f"zerolab.launch: {world_size} ranks but {torch.cuda.device_count()} GPU(s); "
-                  "NCCL needs one GPU per rank, so this run uses gloo on the CPU.")
-    return "gloo"
-
-
-_said: set[str] = set()
-
-
-def _say_once(message: str) -> None:
-    if message not in _said:
-        _said.add(message)
-        warnings.warn(message, stacklevel=3)
+    return "nccl" if nccl_fits(world_size) else "gloo"
 
 
 # --------------------------------------------------------------------- the worker side
