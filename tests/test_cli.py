@@ -36,6 +36,25 @@ def test_train_reports_and_plots(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("argv", [
+    # the README's "From the shell" line, exactly as a newcomer types it (progress bar and plot on)
+    "python -m zerolab train --world-size 2 --steps 100 --size tiny",
+    "python -m zerolab train --strategy zero3 --world-size 2 --steps 4",
+])
+def test_the_default_path_runs_as_the_readme_shows_it(argv, tmp_path):
+    """No flag that avoids a code path: the progress bar (the default) is drawn in the parent from
+    rank 0's messages, and the loss curve lands in the working directory."""
+    words = argv.split()
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    assert "--strategy zero3" in argv or argv in readme, "the README's line changed: test the new one"
+    out = _run(words[1:], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    steps = words[words.index("--steps") + 1]
+    assert f"{steps}/{steps}" in out.stderr, "the progress bar reached the last step"
+    assert "loss:" in out.stdout and "tokens/s" in out.stdout
+    assert (tmp_path / "zerolab-loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize("args, words", [
     (["--strategy", "zero9"], "invalid choice: 'zero9'"),
     (["--size", "huge"], "invalid choice: 'huge'"),

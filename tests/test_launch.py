@@ -291,7 +291,7 @@ def nested_holder():
 def test_bad_input_is_rejected_before_start(kwargs, error, words, monkeypatch):
     def no_processes_please():
         raise AssertionError("launch tried to start processes for bad input")
-    monkeypatch.setattr(launch_module, "_context", no_processes_please)
+    monkeypatch.setattr(launch_module, "process_context", no_processes_please)
     with pytest.raises(error, match=words):
         zl.launch(**{"world_size": 2, **kwargs})
 
@@ -299,7 +299,7 @@ def test_bad_input_is_rejected_before_start(kwargs, error, words, monkeypatch):
 def test_bad_output_environment_variable_is_rejected_before_start(monkeypatch):
     def no_processes_please():
         raise AssertionError("launch tried to start processes for bad input")
-    monkeypatch.setattr(launch_module, "_context", no_processes_please)
+    monkeypatch.setattr(launch_module, "process_context", no_processes_please)
     monkeypatch.setenv("ZEROLAB_LAUNCH_OUTPUT", "everything")
     with pytest.raises(ValueError, match="ZEROLAB_LAUNCH_OUTPUT='everything' must be one of"):
         zl.launch(add, 2, args=(1, 2))
@@ -409,7 +409,7 @@ def test_workers_listen_on_loopback_only(monkeypatch):
 def test_a_bad_listen_address_is_named_before_start(addr, words, monkeypatch):
     def no_processes_please():
         raise AssertionError("launch tried to start processes for bad input")
-    monkeypatch.setattr(launch_module, "_context", no_processes_please)
+    monkeypatch.setattr(launch_module, "process_context", no_processes_please)
     monkeypatch.setenv("ZEROLAB_LAUNCH_ADDR", addr)
     with pytest.raises(ValueError, match=words) as info:
         zl.launch(add, 2, args=(1, 2))

@@ -235,8 +235,8 @@ def run(cfg: TrainConfig, show_progress: bool = True) -> list:
     if not show_progress:
         return launch(train_worker, cfg.world_size, args=(cfg, None), timeout=cfg.timeout,
                       collective_timeout=cfg.collective_timeout)
-    from .launch import _context
-    queue = _context().Queue()
+    from .launch import process_context
+    queue = process_context().Queue()
     stop = threading.Event()
     total = cfg.steps - _resume_step(cfg)
     follower = threading.Thread(target=_follow_progress, args=(queue, total, stop), daemon=True)

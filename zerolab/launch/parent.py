@@ -143,7 +143,7 @@ def _free_port(addr: str) -> int:
 _CONTEXT = None
 
 
-def _context():
+def process_context():
     """Processes come from a fork server that has imported torch and nothing of the caller.
 
     Each rank is still a fresh process that never ran the caller's code, but it starts in
@@ -242,7 +242,7 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
     backend = _choose_backend(world_size, backend)
     addr = launch_worker.listen_address()   # loopback, unless asked otherwise in so many words
 
-    ctx = _context()
+    ctx = process_context()
     port = _free_port(addr)
     private = launch_tempdir.private_dir()   # (sweeps the directories of dead launchers first)
     outputs = launch_output.RankOutputs(world_size, output)
