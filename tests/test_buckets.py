@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from zerolab.buckets import FlatBuckets, bucket_order, held_still, unreached_ranges
+from zerolab.buckets import FlatBuckets, bucket_order
+from zerolab.engines.param_views import ParamViews
 from zerolab.models import AwkwardModel, GPT, gpt_config
 
 
@@ -70,30 +71,36 @@ def test_one_parameter_bigger_than_a_bucket_gets_its_own():
         FlatBuckets([], bucket_bytes=10, world_size=2)
 
 
-@pytest.mark.parametrize("opt, unused_sometimes", [
-    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.1), True),
-    (lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1), False),
-])
-@pytest.mark.parametrize("world_size", [1, 3])
-def test_an_optimizer_on_flat_slices_equals_one_per_parameter(opt, unused_sometimes, world_size):
-    """The flat layout DDP and ZeRO step on, against a per-parameter optimizer that skips
-    parameters whose gradient is None. SGD keeps no step counter, so even a parameter unused
-    in SOME steps must match exactly; AdamW's shared counter is exact for always-unused ones."""
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.1),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
+    "adam-amsgrad-maximize": lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True, maximize=True),
+}
+
+
+def _sliced_run(make_opt, world_size, steps=4):
+    """One optimizer per simulated rank over ParamViews of that rank's slices of flat buckets,
+    beside one plain optimizer over the parameters: parameters 1 and 3 have no gradient on the
+    even steps (a branch not taken), so per-parameter step counts matter."""
     torch.manual_seed(0)
     shapes = [(3, 5), (7,), (2, 2, 2), (11,), (4, 3)]
     values = [torch.randn(s) for s in shapes]
     ref = [v.clone() for v in values]
-    ref_opt = opt(ref)
+    ref_opt = make_opt(ref)
     params = [torch.nn.Parameter(v.clone()) for v in values]
     fb = FlatBuckets(params, bucket_bytes=100, world_size=world_size)
     fb.bind_params()
     assert len(fb) > 1
-    rank = world_size - 1          # the last rank's slices: they cut through parameters
-    shards = [b.shard(rank) for b in fb.buckets]
-    flats = [b.data[s] for b, s in zip(fb.buckets, shards)]
-    flat_opt = opt(flats)
-    for step in range(4):
-        unused = {1, 3} if (step % 2 == 0 or not unused_sometimes) else set()
+    ranks = []
+    for rank in range(world_size):
+        slices = [b.shard(rank) for b in fb.buckets]
+        masters = [b.data[s] for b, s in zip(fb.buckets, slices)]
+        views = ParamViews(masters, fb.buckets, slices)
+        opt = make_opt(params)
+        views.place(opt)
+        ranks.append((views, opt, slices))
+    for step in range(steps):
+        unused = {1, 3} if step % 2 == 0 else set()
         grads = [torch.randn(s) for s in shapes]
         for k, (p, g) in enumerate(zip(ref, grads)):
             p.grad = None if k in unused else g
@@ -101,22 +108,57 @@ def test_an_optimizer_on_flat_slices_equals_one_per_parameter(opt, unused_someti
         flat_grads = [torch.zeros(b.padded_numel) for b in fb.buckets]
         for k, (p, g) in enumerate(zip(params, grads)):
             b, i = fb.where[p]
-            if k not in unused:
-                fb.buckets[b].views(flat_grads[b])[i].copy_(g)
-        for f, g, s in zip(flats, flat_grads, shards):
-            f.grad = g[s]
-        with held_still(flat_opt, [(flats[b], lo, hi) for b, lo, hi in unreached_ranges(fb, unused, shards)]):
-            flat_opt.step()
-    position = {id(p): k for k, p in enumerate(params)}
-    moved = 0
-    for b, s in zip(fb.buckets, shards):
-        for p, o, n in zip(b.params, b.offsets, b.sizes):
-            lo, hi = max(o, s.start), min(o + n, s.stop)
-            if lo < hi:   # the part of p this rank owns and updated
-                k = position[id(p)]
-                mine, want = p.detach().reshape(-1)[lo - o:hi - o], ref[k].reshape(-1)[lo - o:hi - o]
-                # one flat AdamW against per-tensor ones: the same elementwise arithmetic, but
-                # torch may vectorise a flat tensor's ops differently (a few ulp at most)
-                torch.testing.assert_close(mine, want, rtol=1e-6, atol=1e-7)
-                moved += int(not torch.equal(want, values[k].reshape(-1)[lo - o:hi - o]))
-    assert moved > 0   # the check compared something that trained
+            fb.buckets[b].views(flat_grads[b])[i].copy_(g)      # (zeros would move a flat tensor)
+        for views, opt, slices in ranks:
+            for m, g, s in zip(views.masters, flat_grads, slices):
+                m.grad = g[s]
+            views.point_grads({id(params[k]) for k in unused})
+            opt.step()
+            views.drop_grads()
+    return ref, ref_opt, params, values, ranks
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_an_optimizer_on_per_parameter_views_of_flat_slices_equals_a_plain_one(name, world_size):
+    """The views DDP and ZeRO hand the optimizer, on every rank's slices (cut through parameters
+    at world 3), against a plain optimizer over the parameters, a parameter without a gradient on
+    some steps included: values and per-parameter state agree."""
+    ref, ref_opt, params, values, ranks = _sliced_run(OPTIMIZERS[name], world_size)
+    for k, (p, want) in enumerate(zip(params, ref)):
+        # the same elementwise arithmetic; torch may vectorise a slice's ops differently from the
+        # whole tensor's (a few ulp at most)
+        torch.testing.assert_close(p.detach(), want, rtol=1e-6, atol=1e-7)
+        assert not torch.equal(want, values[k])          # (it trained)
+    # the step count of the parameter that sat out two of four steps is its own on every rank
+    sat_out = [opt.state[views.view_of[id(params[1])]] for views, opt, _ in ranks
+               if views.view_of[id(params[1])].numel()]
+    assert sat_out and all(float(st.get("step", 2)) == 2.0 for st in sat_out)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_the_pieces_of_every_rank_make_the_plain_state_dict_and_load_back(name):
+    """consolidate's two halves (pieces on each rank, assemble from all of them) give the plain
+    optimizer's state dict; shard() cuts it back into each rank's pieces, and a second run from
+    there equals the plain optimizer's continuation."""
+    ref, ref_opt, params, values, ranks = _sliced_run(OPTIMIZERS[name], world_size=3)
+    blobs = [views.pieces(opt.state_dict()["state"]) for views, opt, _ in ranks]
+    want = ref_opt.state_dict()["state"]
+    for views, opt, _ in ranks:
+        whole = views.assemble(opt.state_dict()["state"], blobs)
+        assert sorted(whole) == sorted(want)
+        for k in want:
+            assert sorted(whole[k]) == sorted(want[k])
+            for key, value in want[k].items():
+                torch.testing.assert_close(whole[k][key], value, rtol=1e-6, atol=1e-7)
+        # back into this rank's pieces: every per-element tensor cut to its view's shape
+        mine = views.shard(whole, ref_opt.state_dict()["param_groups"])
+        fresh = OPTIMIZERS[name](params)
+        views.place(fresh)
+        fresh.load_state_dict({"state": mine, "param_groups": opt.state_dict()["param_groups"]})
+        for t, st in opt.state.items():
+            for key, value in st.items():
+                assert torch.equal(fresh.state[t][key], value)
+    wrong = {k: {key: (v[..., :1] if v.dim() else v) for key, v in st.items()} for k, st in want.items()}
+    with pytest.raises(ValueError, match="belongs to another model"):
+        ranks[0][0].shard(wrong, ref_opt.state_dict()["param_groups"])

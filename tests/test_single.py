@@ -148,10 +148,28 @@ def test_frozen_and_float_inputs():
     assert torch.equal(frozen, model.frozen.weight)
 
 
+def test_an_optimizer_that_holds_state_already_keeps_it():
+    """Adagrad makes its state when built (nanoGPT loads a checkpoint's state before wrapping):
+    the engine moves that state onto what it updates, and the run is a plain Adagrad's."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    b.load_state_dict(a.state_dict())
+    plain = torch.optim.Adagrad(a.parameters(), lr=0.1, initial_accumulator_value=0.5)
+    engine = SingleProcess(b, torch.optim.Adagrad(b.parameters(), lr=0.1, initial_accumulator_value=0.5))
+    x = torch.randn(4, 3)
+    for _ in range(3):
+        a(x).pow(2).sum().backward()
+        plain.step()
+        plain.zero_grad()
+        engine(x).pow(2).sum().backward()
+        engine.optimizer.step()
+        engine.optimizer.zero_grad()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_bad_optimizer_and_precision():
     model = _gpt()
-    with pytest.raises(TypeError, match="already holds state"):
-        SingleProcess(model, torch.optim.Adagrad(model.parameters()), precision="fp16")
     with pytest.raises(TypeError, match="callable"):
         SingleProcess(model, "adamw")
     with pytest.raises(ValueError, match="'fp8'"):

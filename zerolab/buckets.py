@@ -16,16 +16,12 @@ so a whole bucket is reduced with one collective and no copies. Three choices:
   and optimizer state for that shard only, and reduce-scatter / all-gather need no copies.
 * A tied weight is one tensor, so it appears once (model.parameters() deduplicates it).
 
-The optimizer of DDP and ZeRO-1/2 works on these flat buffers too (one tensor per bucket, or
-per owned slice), not on each parameter: one optimizer update per bucket instead of one per
-parameter. It is the same arithmetic for any elementwise optimizer (SGD, Adam, AdamW, ...).
-The one thing a flat tensor cannot do is skip a parameter: `held_still` keeps the parameters
-no rank reached (whose gradient a single process would leave None) exactly where they were.
+The optimizer does not see these flat buffers: it is handed one view per parameter of the
+slice each rank updates (zerolab.engines.param_views), so it works parameter by parameter, as
+PyTorch's optimizers do, while the collectives move whole buckets.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 
@@ -176,50 +172,3 @@ class FlatBuckets:
 
     def __repr__(self):
         return f"FlatBuckets({len(self.buckets)} buckets, numel={self.numel}, padded={self.padded_numel})"
-
-
-# ------------------------------------------------------------------ the optimizer on flat buffers
-
-
-def unreached_ranges(buckets, unused, shards=None) -> list:
-    """(bucket index, lo, hi) element ranges of parameters in `unused` (positions counted over
-    the buckets' parameters in order), relative to each bucket's slice shards[b] (the whole
-    bucket if None). `buckets`: a FlatBuckets or a list of Bucket."""
-    ranges, k = [], 0
-    if not unused:
-        return ranges
-    for b, bucket in enumerate(getattr(buckets, "buckets", buckets)):
-        s = shards[b] if shards is not None else slice(0, bucket.padded_numel)
-        for o, n in zip(bucket.offsets, bucket.sizes):
-            if k in unused:
-                lo, hi = max(o, s.start), min(o + n, s.stop)
-                if lo < hi:
-                    ranges.append((b, lo - s.start, hi - s.start))
-            k += 1
-    return ranges
-
-
-@contextlib.contextmanager
-def held_still(optimizer, ranges):
-    """Run optimizer.step() inside: elements [lo, hi) of each (tensor, lo, hi) in `ranges` (flat
-    tensors the optimizer updates) come out as they went in, values and optimizer state
-    (moments; state created by this step: zeros).
-
-    A single process's optimizer skips a parameter whose gradient is None; on a flat tensor
-    its zero gradient would still move it (momentum, weight decay). The optimizer's step
-    counter is one per flat tensor, so it still advances: a parameter unused in SOME steps
-    sees Adam's bias correction of the flat tensor's step count, not of its own.
-    """
-    saved = []
-    with torch.no_grad():
-        for m, lo, hi in ranges:
-            state = {k: v[lo:hi].clone() for k, v in optimizer.state.get(m, {}).items()
-                     if isinstance(v, torch.Tensor) and v.shape == m.shape}
-            saved.append((m, lo, hi, m[lo:hi].clone(), state))
-    yield
-    with torch.no_grad():
-        for m, lo, hi, values, state in saved:
-            m[lo:hi] = values
-            for k, v in optimizer.state.get(m, {}).items():
-                if isinstance(v, torch.Tensor) and v.shape == m.shape:
-                    v[lo:hi] = state[k] if k in state else 0

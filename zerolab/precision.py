@@ -298,15 +298,18 @@ class MixedPrecision:
         mp.update(found_inf=not ok)
     """
 
-    def __init__(self, name="fp32", *, scaler: LossScaler | None = None, ledger=None, group=None):
+    def __init__(self, name="fp32", *, scaler: LossScaler | None | bool = None, ledger=None, group=None):
+        """scaler: None (fp16: the default dynamic LossScaler), a LossScaler, or False: fp16 with
+        no loss scaling at all (FSDP2's fp16 parameters without a GradScaler: gradients below
+        fp16's smallest subnormal flush to zero), so a bare loss.backward() is a whole backward."""
         self.policy = policy(name)
-        if scaler is not None and not isinstance(scaler, LossScaler):
-            raise TypeError(f"scaler must be a zerolab.precision.LossScaler, got {type(scaler).__name__}")
+        if scaler is not None and scaler is not False and not isinstance(scaler, LossScaler):
+            raise TypeError(f"scaler must be a zerolab.precision.LossScaler or False, got {type(scaler).__name__}")
         if scaler is not None and not self.policy.loss_scaling:
             raise ValueError(f"a loss scaler is only used with precision 'fp16'; got precision {name!r}")
         if self.policy.loss_scaling and scaler is None:
             scaler = LossScaler()
-        self.scaler = scaler
+        self.scaler = scaler or None
         self.ledger, self.group = ledger, group
 
     @property

@@ -18,16 +18,23 @@ slice `bucket.shard(r)`. Its fp32 master (that slice itself when the parameters 
 its optimizer state exist for the slice only; one all-gather per group moves the slices after
 the step, (N-1)/N of the group's bytes per rank, counted by the ledger `opt.comm`.
 
+The inner torch optimizer (`opt.optim`) is ZeRO-1's optimizer half, the same as zl.ZeRO's
+(zerolab.engines.param_views): one tensor per parameter, the part of it in this rank's slice,
+in the script's groups and order. So step counts are per parameter and a parameter without a
+gradient is skipped, as a plain optimizer does; the groups' settings travel both ways between
+this optimizer and the inner one (a scheduler's lr in, a key the inner class adds out).
+
 How it differs from torch's ZeroRedundancyOptimizer, which gives each rank WHOLE parameters
 (greedily, by size): that works with any optimizer, but the shares are uneven (one large
 embedding can outweigh a rank's whole share); cutting flat buffers gives every rank exactly
-1/N, but the optimizer must update each element from its own state only (SGD, Adam, AdamW...;
-Adafactor and Muon, which look at whole matrices, are refused).
+1/N, but a parameter cut at a slice's edge reaches the optimizer in two flattened pieces, so
+the optimizer must update each element from its own state (SGD, Adam, AdamW...; Adafactor and
+Muon, which look at whole matrices, are refused).
 
 state_dict() speaks the plain optimizer's format (one entry per parameter, in the order of
-param_groups), so a checkpoint from here loads into torch.optim.AdamW(model.parameters()) and
-back. As with ZeroRedundancyOptimizer, it needs consolidate_state_dict(to=rank) on every rank
-first, and only rank `to` then holds it.
+param_groups, with every hyperparameter of the inner class), so a checkpoint from here loads
+into torch.optim.AdamW(model.parameters()) and back. As with ZeroRedundancyOptimizer, it needs
+consolidate_state_dict(to=rank) on every rank first, and only rank `to` then holds it.
 """
 
 from __future__ import annotations
@@ -35,8 +42,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .buckets import Bucket, held_still
+from .buckets import Bucket
 from .comm import Ledger
+from .engines.param_views import ParamViews, gather_bytes
 from .engines.setup import WHOLE_TENSOR_OPTIMIZERS
 
 
@@ -55,6 +63,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"{optimizer_class.__name__} does not update each element from its own "
                             "state (or needs a closure), so it cannot run on a slice of a flat buffer. "
                             "Use an elementwise optimizer (SGD, Adam, AdamW, ...).")
+        # the inner class checks its own keywords (a misspelt one is a TypeError naming it), on a
+        # stand-in, before any parameter moves into a flat buffer
+        optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)
         self.optimizer_class = optimizer_class
         self.comm = Ledger(group=process_group)
         self.group = process_group
@@ -64,18 +75,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optim = None               # the torch optimizer on the owned slices (built below)
         self._consolidated = None       # consolidate_state_dict's result, on rank `to`
         super().__init__(params, defaults)   # (calls add_param_group for each group)
-        self.optim = optimizer_class([self._inner_group(i) for i in range(len(self.param_groups))])
+        self._build_inner()
 
     # -------------------------------------------------------------- the layout
     def add_param_group(self, param_group: dict) -> None:
         """torch's add_param_group; the group's parameters move into a flat buffer of their own,
-        and this rank takes its slice of it."""
+        this rank takes its slice of it, and the inner optimizer gets the views of the slice.
+        Every rank must call it (as ZeroRedundancyOptimizer's)."""
         super().add_param_group(param_group)
         params = self.param_groups[-1]["params"]
+        if any(p.is_sparse for p in params):
+            raise ValueError("ShardedOptimizer supports dense parameters only: a sparse one cannot "
+                             "become a view into a flat buffer")
         if len({(p.dtype, p.device) for p in params}) != 1:
-            raise TypeError("ShardedOptimizer: the parameters of one group must share a dtype and a "
-                            "device (they become views into one flat buffer); put others in a group of "
-                            "their own")
+            raise ValueError("ShardedOptimizer: the parameters of one group must share a dtype and a "
+                             "device (they become views into one flat buffer); put others in a group of "
+                             "their own")
         bucket = Bucket(len(self.buckets), params, self.world_size)
         with torch.no_grad():
             bucket.bind_params()        # every p.data is now a view into bucket.data
@@ -84,29 +99,45 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.buckets.append(bucket)
         self.masters.append(master)
         if self.optim is not None:
-            self.optim.add_param_group(self._inner_group(len(self.buckets) - 1))
+            self._build_inner()
 
-    def _inner_group(self, i: int) -> dict:
-        return {**self._hyper(i), "params": [self.masters[i]]}
+    def _build_inner(self) -> None:
+        """The inner optimizer over one view per parameter of the owned slices (its state, if
+        groups were added after it was built, carried over through its state dict)."""
+        self.views = ParamViews(self.masters, self.buckets, [b.shard(self.rank) for b in self.buckets])
+        self.views.order = [p for g in self.param_groups for p in g["params"]]
+        groups = [{**self._hyper(i), "params": [self.views.view_of[id(p)] for p in g["params"]]}
+                  for i, g in enumerate(self.param_groups)]
+        before = self.optim.state_dict() if self.optim is not None else None
+        self.optim = self.optimizer_class(groups)
+        if before is not None and before["state"]:
+            before["param_groups"] = before["param_groups"] + [
+                {**g, "params": list(range(sum(len(x["params"]) for x in before["param_groups"]),
+                                           sum(len(x["params"]) for x in self.optim.param_groups)))}
+                for g in self.optim.state_dict()["param_groups"][len(before["param_groups"]):]]
+            self.optim.load_state_dict(before)
+        _sync_groups(self.optim.param_groups, self.param_groups)   # every key the inner class has
 
     def _hyper(self, i: int) -> dict:
         return {k: v for k, v in self.param_groups[i].items() if k != "params"}
 
     # -------------------------------------------------------------- the step
     @torch.no_grad()
-    def step(self, closure=None):
-        """The owned slices step, then every group's slices are all-gathered."""
+    def step(self, closure=None, **kwargs):
+        """The owned slices step (kwargs go to the inner optimizer's step), then every group's
+        slices are all-gathered."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        held = []
-        for i, (bucket, master) in enumerate(zip(self.buckets, self.masters)):
-            self.optim.param_groups[i].update(self._hyper(i))   # a scheduler's lr, this step
-            master.grad, still = self._owned_grad(bucket)
-            held += [(master, lo, hi) for lo, hi in still]
-        with held_still(self.optim, held):     # a parameter with no gradient does not move
-            self.optim.step()
+        _sync_groups(self.param_groups, self.optim.param_groups)   # a scheduler's lr, this step
+        without = set()
+        for bucket, master in zip(self.buckets, self.masters):
+            master.grad = self._owned_grad(bucket)
+            without |= {id(p) for p in bucket.params if p.grad is None}
+        self.views.point_grads(without)     # a parameter with no gradient is skipped
+        self.optim.step(**kwargs)
+        self.views.drop_grads()
         for bucket, master in zip(self.buckets, self.masters):
             master.grad = None
             mine = bucket.data[bucket.shard(self.rank)]
@@ -114,53 +145,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 mine.copy_(master)              # the fp32 master, cast to the parameters' dtype
             if self.world_size > 1:
                 self.comm.all_gather(bucket.data, mine.clone(), tag=f"param{bucket.index}")
+        _sync_groups(self.optim.param_groups, self.param_groups)   # what the inner step added
         return loss
 
     def _owned_grad(self, bucket):
-        """(fp32 gradient of this rank's slice, [(lo, hi)] ranges of it whose parameter has no
-        gradient: held still, as a plain optimizer skips a parameter whose grad is None)."""
+        """The fp32 gradient of this rank's slice (zeros where a parameter has none)."""
         s = bucket.shard(self.rank)
         grad = torch.zeros(s.stop - s.start, dtype=torch.float32, device=bucket.data.device)
-        still = []
         for p, o, n in zip(bucket.params, bucket.offsets, bucket.sizes):
             lo, hi = max(o, s.start), min(o + n, s.stop)
-            if lo >= hi:
-                continue
-            if p.grad is None:
-                still.append((lo - s.start, hi - s.start))
-            else:
+            if lo < hi and p.grad is not None:
                 grad[lo - s.start:hi - s.start] = p.grad.reshape(-1)[lo - o:hi - o]
-        return grad, still
+        return grad
 
     # -------------------------------------------------------------- state, in the plain format
     @torch.no_grad()
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every rank's slice of the optimizer state; rank `to` (a rank of the group) keeps
-        it in the plain optimizer's format for state_dict(). Every rank must call it."""
-        state, index = {}, 0
-        for i, (bucket, master) in enumerate(zip(self.buckets, self.masters)):
-            mine = self.optim.state.get(master, {})
-            full = {}
-            for key in sorted(mine):
-                value = mine[key]
-                if torch.is_tensor(value) and value.shape == master.shape:
-                    whole = torch.empty(bucket.padded_numel, dtype=value.dtype, device=value.device)
-                    if self.world_size > 1:
-                        self.comm.all_gather(whole, value.contiguous(), tag="state")
-                    else:
-                        whole.copy_(value)
-                    full[key] = bucket.views(whole)
-                else:               # a step count: the same on every rank
-                    full[key] = [value] * len(bucket.params)
-            for k in range(len(bucket.params)):
-                if full:
-                    state[index + k] = {key: (v[k].clone() if torch.is_tensor(v[k]) else v[k])
-                                        for key, v in full.items()}
-            index += len(bucket.params)
-        groups, index = [], 0
-        for i, group in enumerate(self.param_groups):
-            groups.append({**self._hyper(i), "params": list(range(index, index + len(group["params"])))})
-            index += len(group["params"])
+        """Put every rank's pieces of the optimizer state together; rank `to` (a rank of the
+        group) keeps the whole state in the plain optimizer's format for state_dict(). Every rank
+        must call it."""
+        local = self.optim.state_dict()
+        device = self.masters[0].device if self.masters else "cpu"
+        state = self.views.consolidate(local["state"], gather_bytes(self.comm, self.group, device))
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(inner["params"])}
+                  for g, inner in zip(self.param_groups, local["param_groups"])]
         self._consolidated = {"state": state, "param_groups": groups} if self.rank == to else None
 
     def state_dict(self) -> dict:
@@ -174,37 +182,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """A plain optimizer's state dict over the same parameters (or one from state_dict()):
-        each rank keeps its slice. Every rank calls it with the same dict."""
+        each rank keeps the pieces its slices cover. Every rank calls it with the same dict."""
         groups = state_dict["param_groups"]
         if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError("load_state_dict: the state dict's parameter groups do not match this "
                              "optimizer's (the number of groups, or of parameters in each)")
-        for i, saved in enumerate(groups):
-            self.param_groups[i].update({k: v for k, v in saved.items() if k != "params"})
-            self.optim.param_groups[i].update(self._hyper(i))
-            bucket, master = self.buckets[i], self.masters[i]
-            s = bucket.shard(self.rank)
-            per_param = [state_dict["state"].get(j) for j in saved["params"]]
-            if all(st is None for st in per_param):
-                continue
-            slot = {}
-            for p, o, n, st in zip(bucket.params, bucket.offsets, bucket.sizes, per_param):
-                for key, value in (st or {}).items():
-                    if torch.is_tensor(value) and value.numel() == n and value.dim() > 0:
-                        flat = slot.setdefault(key, torch.zeros(bucket.padded_numel, dtype=value.dtype))
-                        flat[o:o + n] = value.reshape(-1)
-                    else:
-                        slot.setdefault(key, value)
-            self.optim.state[master] = {k: _mine(v, s, bucket.padded_numel, master.device)
-                                        for k, v in slot.items()}
+        mine = {"state": self.views.shard(state_dict["state"], groups),
+                "param_groups": [dict(g) for g in groups]}
+        self.optim.load_state_dict(mine)
+        _sync_groups(self.optim.param_groups, self.param_groups)
         self._consolidated = None
 
 
-def _mine(value, shard: slice, padded: int, device):
-    """This rank's copy of one loaded state entry: its slice of a flat one, or the scalar (a step
-    count: a copy, so stepping this optimizer never changes the dict it was loaded from)."""
-    if not torch.is_tensor(value):
-        return value
-    if value.dim() > 0 and value.numel() == padded:
-        return value[shard].clone().to(device)
-    return value.clone()
+def _sync_groups(src: list, dst: list) -> None:
+    """Every setting but the parameters, from each group of `src` to the same group of `dst`."""
+    for a, b in zip(src, dst):
+        b.update({k: v for k, v in a.items() if k != "params"})

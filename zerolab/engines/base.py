@@ -12,16 +12,20 @@ they travel. What does not differ lives here:
   queued) and the callback ends it (`_end_backward`: the engine's `_finish_backward` waits for
   every reduction, so when backward returns every gradient is averaged). Each reduction divides
   by N on its way (gloo has no average), never the loss;
-* step() refuses gradients it should not apply (none, fp16 unscaled, never averaged), measures
-  the step's peak memory and runs ONE template (`_step`): the fp32 gradients of what the
-  optimizer updates (`_step_grads`), one finite check (`_grads_finite`), clipping, then the
-  update (`_update`): the optimizer inside `held_still` (parameters no rank reached do not move,
-  `_unreached`), then the updated masters are published to the compute copies (`_publish`: a
-  cast, an all-gather, ...);
+* a step is optimizer.step(), whoever calls it (engine.step() does too): PyTorch's step hooks
+  run the engine's parts around the optimizer's own update (param_groups.hand_over).
+  `_before_update` refuses gradients it should not apply (none, fp16 unscaled, never averaged),
+  starts measuring the step's peak memory and prepares the update: the fp32 gradients of what
+  the optimizer updates (`_step_grads`), one finite check (`_grads_finite`), clipping, then each
+  tensor the optimizer holds gets its gradient (`_hand_grads`; a parameter no rank reached
+  keeps None, so the optimizer skips it, as one process does). The optimizer updates. Then
+  `_after_update` publishes the updated masters to the compute copies (`_publish`: a cast, an
+  all-gather, ...);
 * zero_grad() drops the gradients (`_release_grads`) and resets the guards;
-* engine.optimizer is the script's torch optimizer, its groups moved onto what the engine
-  updates and its step() / zero_grad() the engine's (engines.param_groups.hand_over), so
-  optimizer.step(), optimizer.zero_grad() and torch.optim.lr_scheduler work as written;
+* engine.optimizer is the script's torch optimizer, each parameter of its groups moved onto what
+  the engine updates for it (one master, or one view of a flat buffer: engines.param_views) and
+  its zero_grad() the engine's (engines.param_groups.hand_over), so optimizer.step(),
+  optimizer.zero_grad(), optimizer.state_dict() and torch.optim.lr_scheduler work as written;
 * what PyTorch's wrappers offer: module, parameters(), named_parameters(), train(), eval(),
   require_backward_grad_sync and clip_grad_norm_(max) (the norm over every rank's shard, applied
   by the next step); state_dict() / load_state_dict() (consolidated, the model's own keys),
@@ -43,11 +47,11 @@ from collections.abc import Mapping
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..buckets import held_still
 from ..memory import PeakMemory
 from ..precision import clip_grad_norm_, global_norm, squared_norm
-from . import grad_guard
+from . import grad_guard, param_groups
 from .options import check_max_grad_norm
+from .param_views import gather_bytes, use_foreach
 from .setup import broadcast_from_rank0, measured_forward
 from .state import EngineState
 
@@ -71,6 +75,8 @@ class Engine(EngineState):
 
     peak_meter = PeakMemory     # what step() measures its peak with (ZeRO-3 adds its own counts)
     sharded = False             # does each rank hold only a slice of the gradients and masters?
+    takes_no_optimizer = False  # optimizer=None: the script steps p.grad itself (DDP, NaiveDDP)
+    awaits_optimizer = False    # optimizer=None: adopt the script's, built afterwards (ZeRO)
     # May a reducing backward run again before zero_grad()? Yes where the reduction leaves each
     # gradient where the next backward adds to it (one process; DDP and NaiveDDP: p.grad; ZeRO-2
     # and 3: the shards); no for ZeRO-1, whose rank holds the averaged gradient of its own slice
@@ -83,7 +89,6 @@ class Engine(EngineState):
     _unreduced = False          # the last backward ran inside no_sync(): not averaged yet
     track_activations = False   # measure the activations each forward leaves (engines.setup)
     _clip_next = None           # max_norm of a clip_grad_norm_() call, for the next step
-    _group_views = None         # flat engines with several parameter groups: param_groups.GroupViews
     broadcast_buffers = False   # data-parallel engines: True by default (engines.setup)
     norm_group = None           # the group whose shards make up the whole gradient once (None: all)
     _last_batch = None          # fp16: the last training forward's inputs, to diagnose a give-up
@@ -225,7 +230,23 @@ class Engine(EngineState):
         if self.sharded and self._reducing_now:   # p.grad is not what this rank updates with
             grad_guard.hide(self._trainable(), self)
             self._guarded = True
+        if self._reducing_now and self.views is not None and not self.precision.policy.needs_master:
+            self._expose_grads()
         self._in_backward = False
+
+    def _expose_grads(self) -> None:
+        """fp32 flat engines, after a reducing backward: each of the optimizer's views already
+        holds its averaged gradient (a view of the engine's, no copy), as each parameter's .grad
+        holds it after PyTorch DDP's backward: so what reads the optimizer's gradients between
+        backward and step (torch.amp.GradScaler's unscale_ under autocast, a script's own
+        inspection) sees them. (bf16 / fp16 masters get fp32 gradients only inside the step.)"""
+        for m, g in zip(self._flat_masters(), self._owned_grads()):
+            m.grad = g
+        self.views.point_grads(self._unused_params())
+
+    def _flat_masters(self) -> list:
+        """The tensors the views are cut from, in the order of _owned_grads()."""
+        return self.masters
 
     def _take_back_guards(self) -> None:
         """Before a backward adds to p.grad: remove the guards. If the script removed them all
@@ -245,6 +266,27 @@ class Engine(EngineState):
                 "or model.zero_grad()).")
         grad_guard.unhide(self._trainable())
         self._guarded = False
+
+    # -------------------------------------------------------------- the optimizer
+    def _place_groups(self) -> None:
+        """Move the optimizer's groups onto what this engine updates: here one master per
+        parameter (the flat engines: one view per parameter, engines.param_views)."""
+        param_groups.place_per_parameter(self.optimizer, self.params, self.masters)
+
+    def gather_bytes(self, data: bytes) -> list:
+        """Every rank's `data`, in rank order, over the ranks whose shards make up the whole (a
+        collective, through the ledger): how the optimizer's state dict is put together."""
+        from ..launch import device
+        return gather_bytes(self.comm, self.norm_group, device())(data)
+
+    def adopt(self, optimizer) -> None:
+        """FSDP2's order: the optimizer the script built over engine.parameters() after wrapping
+        becomes the engine's at its first step (param_groups.await_optimizer), exactly as if it
+        had been passed in: checked, its groups moved onto the engine's tensors, handed over."""
+        opt, state = param_groups.build(optimizer, self.model, self.precision.name, self.flat_optimizer)
+        self.optimizer = opt
+        self._place_groups()
+        param_groups.hand_over(opt, self, state)
 
     def _watch_parameters(self) -> None:
         """The end of every engine's construction: a hook on each trainable parameter, run
@@ -272,26 +314,77 @@ class Engine(EngineState):
         """The end of a reducing backward: every gradient reduced (waited for) when it returns."""
 
     # -------------------------------------------------------------- the step
+    # optimizer.step() is the step, whoever calls it (engine.step() calls it too): PyTorch's step
+    # hooks (param_groups.hand_over) run _before_update, then the optimizer's own update of the
+    # tensors that were handed a gradient, then _after_update.
+    views = None                # flat engines: engines.param_views.ParamViews (what the optimizer steps)
+    _applied = False            # did the step in progress find finite gradients?
+    _peak = None                # the step's peak-memory meter, from _before_update to _after_update
+
     def step(self) -> bool:
         """Unscale, check, clip, update. False (and nothing changed) when an fp16 overflow skips it."""
-        self._check_step()
+        if self.optimizer is None:
+            self._check_step(None)      # (says what to do instead)
+        self.optimizer.step()
+        return self._applied
+
+    def _before_update(self, optimizer=None) -> None:
+        """Before the optimizer's own update: refuse gradients it should not apply, then unscale,
+        check, clip and hand each tensor the optimizer holds its gradient (_prepare_update)."""
+        self._check_step(optimizer)
+        self._close_step()              # (a step that raised inside the optimizer left it open)
         if self.track_peak:
-            with self.peak_meter("cpu") as peak:
-                applied = self._step()
-            self.last_peak = peak.peak
-        else:
-            applied = self._step()
+            self._peak = self.peak_meter("cpu")
+            self._peak.__enter__()
+        if self.views is not None:      # one foreach call per operation, not one per parameter
+            self._foreach_set = use_foreach(self.optimizer)
+        try:
+            self._start_step()
+            with torch.no_grad():
+                self._applied = self._prepare_update()
+        except BaseException:
+            self._close_step()
+            raise
+
+    def _after_update(self) -> None:
+        """After the optimizer's own update: the compute copies catch up (_land_update: a cast, an
+        all-gather), the step's gradients go, the loss scale moves on."""
+        try:
+            with torch.no_grad():
+                if self._applied:
+                    self._land_update()
+                    self.precision.update(found_inf=False)
+                self._drop_step_grads()
+        finally:
+            self._close_step()
         self.steps += 1
         self._backward_done = False     # (_reduced stays until zero_grad: see _begin_backward)
-        return applied
 
-    def _check_step(self) -> None:
+    _foreach_set: list = []             # groups whose foreach this step set (use_foreach)
+
+    def _close_step(self) -> None:
+        """The end of a step's scope: the peak meter read, the groups' foreach as the script left it."""
+        for group in self._foreach_set:
+            group["foreach"] = None
+        self._foreach_set = []
+        if self._peak is not None:
+            peak, self._peak = self._peak, None
+            peak.__exit__(None, None, None)
+            self.last_peak = peak.peak
+
+    def _check_step(self, optimizer) -> None:
         """Refuse a step whose gradients are not what it should apply."""
         if self.optimizer is None:
             raise RuntimeError(
                 f"{type(self).__name__} was built without an optimizer, as DistributedDataParallel is: "
                 "step your own (built on engine.parameters()) after loss.backward(); the gradients "
                 "in p.grad are already averaged over ranks.")
+        if getattr(optimizer, "found_inf", None) is not None:     # torch.amp.GradScaler.step()
+            raise RuntimeError(
+                f"torch.amp.GradScaler with precision={self.precision.name!r}: the engine keeps fp32 "
+                "master weights and, in fp16, scales the loss itself. Drop the GradScaler and use "
+                "precision='fp16' with engine.backward(loss) (or precision='bf16', which needs no "
+                "scaling); a GradScaler fits precision='fp32' under your own autocast.")
         if not self._backward_done:
             raise RuntimeError("step() called before backward(): there is no gradient to apply. "
                                "Call loss.backward() (or engine.backward(loss)) first, on every rank.")
@@ -300,14 +393,20 @@ class Engine(EngineState):
                 "precision='fp16' needs engine.backward(loss): it multiplies the loss by the loss "
                 "scale before backward, and a bare loss.backward() skipped that (its small gradients "
                 "may have flushed to zero, and step() would divide by a scale never applied). "
-                "Call engine.zero_grad(), then use engine.backward(loss).")
+                "Call engine.zero_grad(), then use engine.backward(loss); or build the engine with "
+                "scaler=False to train fp16 without loss scaling.")
         if self._unreduced:
             raise RuntimeError(
                 "step() after a backward inside no_sync(): those gradients were never averaged over "
                 "ranks. Run the last micro-batch's forward and backward outside no_sync().")
 
-    @torch.no_grad()
-    def _step(self) -> bool:
+    def _start_step(self) -> None:
+        """The first thing a step does once it is accepted (ZeRO-3 releases gathered units;
+        offload lands the update still in flight)."""
+
+    def _prepare_update(self) -> bool:
+        """The step's fp32 gradients, one finite check, clipping, then each tensor the optimizer
+        updates gets its gradient (_hand_grads). False: an fp16 overflow, nothing is handed."""
         grads = self._step_grads()
         if not self._grads_finite(grads):    # fp16 overflow: nothing changes, the scale drops
             self._drop_step_grads()
@@ -319,8 +418,7 @@ class Engine(EngineState):
         max_norm, self._clip_next = self._clip_next or self.max_grad_norm, None
         if max_norm is not None:
             self._clip(grads, max_norm)
-        self._update(self._held_ranges())   # the optimizer, then the compute copies
-        self.precision.update(found_inf=False)
+        self._hand_grads()
         return True
 
     def _clip(self, grads, max_norm) -> None:
@@ -329,30 +427,22 @@ class Engine(EngineState):
         self.last_grad_norm = clip_grad_norm_(grads, max_norm, self.comm if self.sharded else None,
                                               group=self.norm_group)
 
-    def _update(self, held) -> None:
-        """Apply the checked, clipped gradients: the optimizer updates the masters, then the
-        compute copies catch up (_publish). offload's delay_update overrides it: the optimizer
-        runs on a thread during the next forward and backward, and the next step publishes."""
-        self._optimizer_step(held)
+    def _hand_grads(self) -> None:
+        """Give each tensor the optimizer holds the gradient it steps with. One master per
+        parameter: done by _step_grads (a parameter no backward reached keeps None, so the
+        optimizer skips it). Flat engines: each view gets its range of the flat gradient, except
+        a parameter no rank reached (_unused_params). offload's delay_update and offload="disk"
+        run the update here themselves (run_update) and hand nothing to the optimizer's own."""
+        if self.views is not None:
+            self.views.point_grads(self._unused_params())
+
+    def _unused_params(self) -> set:
+        """ids of the trained parameters no rank's backward reached since zero_grad()."""
+        return set()
+
+    def _land_update(self) -> None:
+        """After an applied update: the compute copies catch up with the masters."""
         self._publish()
-        self._drop_step_grads()
-
-    def _optimizer_step(self, held, optimizer=None) -> None:
-        """optimizer.step() on the masters; the ranges in `held` (_held_ranges) stay as they are.
-        `optimizer`: the engine's, or offload's copy with this step's hyperparameters."""
-        views = self._group_views        # parameter groups on flat tensors (param_groups)
-        if views is not None:
-            views.point_grads()
-        with held_still(self.optimizer, held):
-            self._run_optimizer(optimizer)
-        if views is not None:
-            views.drop_grads()
-
-    def _run_optimizer(self, optimizer=None) -> None:
-        """The torch optimizer's own step (engine.optimizer.step() is the engine's whole step:
-        param_groups.hand_over)."""
-        optimizer = self.optimizer if optimizer is None else optimizer
-        type(optimizer).step(optimizer)
 
     # The defaults below are for one master per parameter (SingleProcess, NaiveDDP): in fp32
     # the masters ARE the parameters; in bf16/fp16 they are fp32 copies. The flat engines
@@ -399,17 +489,6 @@ class Engine(EngineState):
     def _grad_sums(self, grads) -> list:
         return [g.sum() for g in grads if g is not None]
 
-    def _unreached(self):
-        """(flat tensors, (index, lo, hi) ranges) the optimizer must leave as they are."""
-        return [], []
-
-    def _held_ranges(self) -> list:
-        """_unreached() as (tensor the optimizer holds, lo, hi)."""
-        flats, ranges = self._unreached()
-        if self._group_views is not None:
-            return self._group_views.ranges(flats, ranges)
-        return [(flats[b], lo, hi) for b, lo, hi in ranges]
-
     def _publish(self) -> None:
         """After the update: make the compute copies (what forward uses) match the masters."""
         if self.masters is not self.params:
@@ -417,7 +496,9 @@ class Engine(EngineState):
                 p.data.copy_(m)     # the compute copy is the cast of the authoritative master
 
     def _drop_step_grads(self) -> None:
-        """Free the fp32 gradients _step_grads gave the masters."""
+        """Free the fp32 gradients _step_grads gave the masters (and the views' ranges of them)."""
+        if self.views is not None:
+            self.views.drop_grads()
         if self.masters is not self.params:
             for m in self.masters:
                 m.grad = None

@@ -31,16 +31,12 @@ same cores, they matter):
 - zero_grad() sets every p.grad to None, so the next backward copies each fresh gradient into
   its slot of the bucket once, instead of zeroing the buckets and adding into them;
 - the division by N is one pass over each bucket's flat buffer, just before its collective;
-- the engine's optimizer is built on one flat tensor per bucket (the parameters' own buffers,
-  or the fp32 masters' in bf16/fp16), as ZeRO's is on its slices: AdamW makes a dozen calls per
-  tensor it updates, so 4 buckets instead of 53 parameter tensors (the book's GPT) more than
-  halve the optimizer's time. Any elementwise torch.optim optimizer computes the same numbers
-  as on the parameters one by one (zerolab.buckets). Parameter groups (decay / no-decay,
-  per-group learning rates) get one view per (bucket, group) range (engines.param_groups).
-  What it cannot do: optimizers that look at a whole tensor (LAMB's trust
-  ratio; torch.optim's Adafactor and Muon are refused), and a step counter per parameter: for
-  a parameter that only SOME steps reach, Adam's bias correction is the bucket's. (One that no
-  rank reached is held still, as a single process would skip it.)
+- the engine's optimizer is handed one tensor per parameter, a view into the flat masters
+  (engines.param_views): whole and in its own shape here, since DDP updates whole buckets. So
+  the optimizer is PyTorch's, parameter by parameter (step counts, a parameter skipped when no
+  rank reached it, its groups' hyperparameters, its state dict), while the buffers stay flat
+  for the collectives; the engine asks torch.optim for its foreach path, one call per operation
+  over every parameter instead of one per parameter and operation.
 
 Each rank sends 2 (N-1)/N of the gradient bytes per step: the paper's "2 Psi".
 """
@@ -49,9 +45,10 @@ from __future__ import annotations
 
 import torch
 
-from ..buckets import FlatBuckets, unreached_ranges
+from ..buckets import FlatBuckets
 from ..precision import cast_for_compute
-from . import options, param_groups
+from . import options
+from .param_views import ParamViews
 from .state import flat_segments
 from .naive_ddp import NaiveDDP
 
@@ -63,7 +60,7 @@ class DDP(NaiveDDP):
     uses it to show what overlap buys).
     """
 
-    flat_optimizer = "zl.DDP"   # the engine's optimizer steps on one flat tensor per bucket
+    flat_optimizer = None       # the optimizer sees whole parameters (ZeRO cuts them: "zl.ZeRO")
     checkpoint_kind = "ddp"
     overlap_default = True      # launch each bucket as soon as it is full
     reduces_in_no_sync = False  # inside no_sync gradients only accumulate (ZeRO-2 differs)
@@ -80,9 +77,7 @@ class DDP(NaiveDDP):
         # bucket sizes count bytes in the dtype that is communicated (the compute dtype)
         elem = torch.empty((), dtype=self.precision.compute_dtype).element_size()
         scale = elem / self.params[0].element_size()
-        # inside a bucket the parameters are ordered by optimizer group (param_groups)
-        self.buckets = FlatBuckets(self.params, self.bucket_mb * 2**20 / scale, self.world_size,
-                                   order=lambda ps: param_groups.order_by_group(ps, self._group_of))
+        self.buckets = FlatBuckets(self.params, self.bucket_mb * 2**20 / scale, self.world_size)
         self.device = self.params[0].device
         self._lay_out_masters()
         self.params = self.buckets.params     # the buckets' order: position k below
@@ -126,11 +121,13 @@ class DDP(NaiveDDP):
                             for b, i in (self.buckets.where[p] for p in self.buckets.params)]
 
     def _place_groups(self):
-        """The optimizer steps on the flat masters: with several groups, on one view per
-        (bucket, group) range of them (param_groups.GroupViews)."""
-        views = param_groups.GroupViews(self.optimizer, self.flat_masters, self.buckets.buckets,
-                                        self.shards, self._group_of)
-        self._group_views = views if views.views else None
+        """The optimizer steps one view per parameter of the flat masters (engines.param_views)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        self.views = ParamViews(self.flat_masters, self.buckets.buckets, self.shards, names)
+        self.views.place(self.optimizer)
+
+    def _flat_masters(self) -> list:
+        return self.flat_masters
 
     # -------------------------------------------------------------- the reducer
     # Engine._begin_backward resets it (_reset_backward_state); the hooks below fill and launch
@@ -251,9 +248,9 @@ class DDP(NaiveDDP):
             return self._bucket_sums
         return super()._grad_sums(grads)
 
-    def _unreached(self):
-        # parameters no rank reached must not move, as a single process would skip them
-        return self.flat_masters, unreached_ranges(self.buckets, self._unused, self.shards)
+    def _unused_params(self) -> set:
+        # parameters no rank reached: the optimizer skips them, as a single process does
+        return {id(self.params[k]) for k in self._unused}
 
     def _publish(self):
         if self.precision.policy.needs_master:
@@ -261,6 +258,8 @@ class DDP(NaiveDDP):
                 b.data.copy_(f)  # one cast-and-copy per bucket
 
     def _drop_step_grads(self):
+        if self.views is not None:
+            self.views.drop_grads()
         for m in self.flat_masters:
             m.grad = None
         self._bucket_sums = []
@@ -278,7 +277,10 @@ class DDP(NaiveDDP):
     # -------------------------------------------------------------- state (memory_report,
     # full_state_dict: Engine's, whose masters here are views into the flat tensors)
     def checkpoint_segments(self, names):
-        # the flat tensors the optimizer updates: slice shards[b] of each bucket
-        opt = [s for b, bucket in enumerate(self.buckets.buckets)
-               for s in flat_segments(self.flat_masters[b], bucket, self.shards[b], names)]
+        # what the optimizer updates: its views (slice shards[b] of each bucket's masters)
+        if self.views is not None:
+            opt = self.views.segments(names)
+        else:                       # (no optimizer: the flat masters themselves)
+            opt = [s for b, bucket in enumerate(self.buckets.buckets)
+                   for s in flat_segments(self.flat_masters[b], bucket, self.shards[b], names)]
         return opt, self._frozen_segments(names), not self.sharded, True

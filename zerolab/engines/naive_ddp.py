@@ -43,6 +43,7 @@ class NaiveDDP(Engine):
 
     flat_optimizer = None   # the optimizer steps parameter by parameter (DDP, ZeRO: flat buffers)
     takes_no_optimizer = True   # optimizer=None: the script steps its own (DistributedDataParallel's way)
+    awaits_optimizer = False    # optimizer=None: adopt the one the script builds afterwards (ZeRO: FSDP2's way)
     checkpoint_kind = "naive_ddp"
     takes = options.DATA_PARALLEL   # the option names it takes (zerolab.engines.options)
 
@@ -62,24 +63,22 @@ class NaiveDDP(Engine):
         # ranks start identical: rank 0's parameters and buffers (frozen ones too)
         broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), self.comm, self._src)
         # the optimizer sees the model's parameters, so its parameter groups can tell them apart
-        self.optimizer, self._group_of = None, {}
+        self.optimizer, state = None, None
         if optimizer is not None:
-            self.optimizer, self._group_of = param_groups.build(optimizer, model, opts.training.precision,
-                                                                self.flat_optimizer)
+            self.optimizer, state = param_groups.build(optimizer, model, opts.training.precision,
+                                                       self.flat_optimizer)
         self.params = bucket_order(model)
         self._setup_storage()
         if self.optimizer is not None:
             self._place_groups()
-            param_groups.hand_over(self.optimizer, self)
+            param_groups.hand_over(self.optimizer, self, state)
+        elif self.awaits_optimizer:         # FSDP2's order: the script builds it afterwards
+            param_groups.await_optimizer(self)
         self._watch_parameters()
 
     def _read_options(self, opts, model) -> None:
         """The engine's own settings from its checked options, before anything is built (DDP:
         buckets), and its own checks of them against the model."""
-
-    def _place_groups(self):
-        """Move the optimizer's groups onto what this engine updates: one master per parameter."""
-        param_groups.place_per_parameter(self.optimizer, self.params, self.masters)
 
     def _setup_storage(self):
         if self.precision.policy.needs_master:

@@ -44,7 +44,7 @@ class Training:
     """How every step computes: the precision (and fp16's loss scaler), clipping, what is measured."""
 
     precision: str = "fp32"
-    scaler: object = None               # a zl.precision.LossScaler for fp16 (None: the default one)
+    scaler: object = None               # fp16: a zl.precision.LossScaler (None: the default one; False: none)
     max_grad_norm: float | None = None  # clip the whole gradient's norm at every step
     track_peak: bool = True             # measure each step's peak memory
     track_activations: bool | None = None   # measure what each forward leaves (None: with ZeRO-R)

@@ -143,8 +143,8 @@ def enable_residual(model, mesh, checkpoint_activations, partition_activations, 
 
 
 # Optimizers whose update of an element depends on the rest of its tensor (Adafactor's
-# factored moments and relative step size, Muon's orthogonalized matrices). On one flat
-# tensor per bucket they would compute something else than on the parameters one by one.
+# factored moments and relative step size, Muon's orthogonalized matrices). On a piece of a
+# parameter cut at a shard's edge they would compute something else than on the whole.
 WHOLE_TENSOR_OPTIMIZERS = tuple(getattr(torch.optim, n) for n in ("Adafactor", "Muon") if hasattr(torch.optim, n))
 
 
@@ -167,11 +167,11 @@ def _check_elementwise(optimizer, flat_engine: str) -> None:
     kind = _optimizer_class(optimizer)
     if kind is not None and issubclass(kind, WHOLE_TENSOR_OPTIMIZERS):
         raise TypeError(
-            f"{flat_engine} runs the optimizer on flat buffers (one tensor per bucket), but "
-            f"{kind.__name__} updates each element from its whole tensor (norms, matrix shape), so it "
-            "would compute something else than on the parameters one by one. Use an elementwise "
-            "optimizer (SGD, Adam, AdamW, ...), or zl.NaiveDDP / zl.SingleProcess, which step "
-            "parameter by parameter.")
+            f"{flat_engine} hands the optimizer this rank's part of each parameter, cut where its "
+            f"shard ends, but {kind.__name__} updates each element from its whole tensor (norms, "
+            "matrix shape), so it would compute something else than on the parameters one by one. "
+            "Use an elementwise optimizer (SGD, Adam, AdamW, ...), or zl.DDP, zl.NaiveDDP or "
+            "zl.SingleProcess, which hand it whole parameters.")
 
 
 def check_optimizer_factory(optimizer, precision: str, flat_engine: str | None = None) -> None:
@@ -243,6 +243,8 @@ def start_data_parallel(engine, model, optimizer, options) -> None:
     options.check_model(model)
     if optimizer is None and engine.takes_no_optimizer:
         check_no_optimizer(type(engine).__name__, t.precision, t.max_grad_norm)
+    elif optimizer is None and engine.awaits_optimizer:
+        pass                     # FSDP2's order: the script's optimizer is checked when adopted
     else:                        # (before the model is touched)
         if optimizer is None:
             raise TypeError(f"{type(engine).__name__} needs an optimizer: it keeps the optimizer state "

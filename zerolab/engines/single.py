@@ -64,9 +64,9 @@ class SingleProcess(Engine):
         else:
             self.masters = self.params
         # the optimizer sees the model's parameters (its groups too); each then steps on its master
-        self.optimizer, _ = param_groups.build(optimizer, model, precision)
-        param_groups.place_per_parameter(self.optimizer, self.params, self.masters)
-        param_groups.hand_over(self.optimizer, self)
+        self.optimizer, state = param_groups.build(optimizer, model, precision)
+        self._place_groups()
+        param_groups.hand_over(self.optimizer, self, state)
         self._watch_parameters()
 
     # forward, backward, the step, full_state_dict, memory_report: Engine's, for one master

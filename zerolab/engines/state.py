@@ -126,12 +126,9 @@ class EngineState:
         return opt, self._frozen_segments(names), True, True
 
     def optimizer_segments(self, names: dict):
-        """checkpoint_segments, with each optimizer segment on the tensor the optimizer holds
-        (with parameter groups on flat tensors: the group's view), where its state is kept."""
-        opt, frozen, opt_replicated, frozen_replicated = self.checkpoint_segments(names)
-        if self._group_views is not None:
-            opt = self._group_views.segments(opt)
-        return opt, frozen, opt_replicated, frozen_replicated
+        """checkpoint_segments: each optimizer segment is on the tensor the optimizer holds (a
+        master, or a flat engine's per-parameter view), where its state is kept."""
+        return self.checkpoint_segments(names)
 
     def _frozen_segments(self, names: dict) -> list:
         return [(p, 0, names[id(p)], 0, p.numel()) for p in self.model.parameters() if not p.requires_grad]

@@ -50,11 +50,11 @@ import shutil
 import torch
 import torch.nn as nn
 
-from ...buckets import held_still
 from ...precision import clip_coefficient, found_overflow, global_norm, squared_norm
 from .. import options
 from ..zero3.engine import ZeRO3
 from ..zero3.units import Unit
+from ..param_groups import run_update
 from .optimizer import OptimizerOffload, host_empty
 from .pager import Pager
 
@@ -114,6 +114,7 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
     one unit further ahead."""
 
     offload = "disk"
+    awaits_optimizer = False            # the views are cut as the units go to their files: pass it in
 
     takes = ZeRO3.takes + options.OFFLOAD
     unit_class = DiskUnit
@@ -133,13 +134,18 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
             h = host_empty(u.master.shape, torch.float32, u.master.is_cuda)
             h.copy_(u.master.detach())
             u.master = nn.Parameter(h)
-            # with several parameter groups the engine next cuts views of each master (one per
-            # group), which needs its memory: those masters go to their files once it has
-            if len(self.optimizer.param_groups) == 1:
-                self.pager.out(u.key("master"), u.master.data)
+            self.pager.out(u.key("master"), u.master.data)
         for kind, shard in u.shard.items():
             self.pager.out(u.key(kind), shard)
         self.pager.flush()              # (or the next units would be built while this one is written)
+
+    @contextlib.contextmanager
+    def _master_resident(self, i):
+        """Master i in memory while the optimizer's views are cut from it (one unit at a time)."""
+        key = self._trained()[i].key("master")
+        self.pager.wait(key)
+        yield
+        self.pager.out(key, self.masters[i].data, dirty=False)
 
     def _move_masters_to_host(self):
         self._dev = self._compute_shards()   # (the masters were made on the host, unit by unit)
@@ -171,11 +177,8 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
         return out
 
     def _opt_tensors(self, i) -> list:
-        """The tensors the optimizer holds for master i: the master, or its group views."""
-        views = self._group_views
-        if views is None:
-            return [self.masters[i]]
-        return [v for v, j, _, _ in views.views if j == i]
+        """The tensors the optimizer holds for master i: its views (engines.param_views)."""
+        return [] if self.views is None else [v for v, _ in self.views.of_master(i)]
 
     def _fetch_unit(self, names):
         """Start reading the files among `names` that exist (the first step has no state yet)."""
@@ -237,18 +240,23 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
 
     _coef = 1.0
 
-    def _update(self, held) -> None:
-        """Pass 2: each unit's update (unscaled, clipped), reading the next unit's files meanwhile."""
+    def _hand_grads(self) -> None:
+        """Pass 2: each unit's update (unscaled, clipped), reading the next unit's files meanwhile.
+        The engine runs the optimizer itself here, a unit at a time (run_update), so the
+        optimizer's own update after this hook finds no gradient and does nothing."""
         scaler = self.precision.scaler
         inv = None if scaler is None else 1.0 / scaler.scale
         train = self._trained()
         for i, u in enumerate(train):
             if self.prefetch and i + 1 < len(train):
                 self._fetch_unit(self._step_names(i + 1, train[i + 1]))
-            self._update_unit(i, u, inv, self._coef, held)
+            self._update_unit(i, u, inv, self._coef)
         self._pass1, self._coef = None, 1.0
 
-    def _update_unit(self, i, u, inv, coef, held):
+    def _land_update(self) -> None:
+        """(Each unit's new shard went up and to its file in pass 2.)"""
+
+    def _update_unit(self, i, u, inv, coef):
         g = self._grad_in(u)
         down = self.transfers.copy(host_empty(g.shape, g.dtype, g.is_cuda), g, "d2h", tag=f"grad{i}").float()
         if u.grad_shard is not None:    # (freed now: the host copy is what the step reads)
@@ -263,13 +271,9 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
         for name, v in self._state(i, u):
             self.pager.wait(name) if v.untyped_storage().nbytes() == 0 else self.pager.adopt(name, v)
         master.grad = down
-        mine = {id(t) for t in self._opt_tensors(i)}
-        if self._group_views is not None:
-            self._group_views.point_grads()
-        with held_still(self.optimizer, [r for r in held if id(r[0]) in mine]):
-            self._run_optimizer()
-        if self._group_views is not None:
-            self._group_views.drop_grads()
+        self.views.point_grads(self._unused_params(), only={i})   # this unit's views only
+        run_update(self.optimizer)
+        self.views.drop_grads()
         master.grad = None
         del down
         for name, v in self._state(i, u):   # (the first step creates the state here)
@@ -317,17 +321,14 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
     # -------------------------------------------------------------- checkpoints, a unit at a time
     def _homes(self) -> dict:
         """id(t) -> (unit index, unit, file name, element offset, state prefix) for every tensor a
-        checkpoint or load_state_dict reads or writes: each master (with parameter groups, also
-        each group's view of it, with the view's optimizer state under its own names) and each
-        frozen shard."""
-        homes, views = {}, self._group_views
+        checkpoint or load_state_dict reads or writes: each master, each of the optimizer's views
+        of it (with the view's optimizer state under its own names) and each frozen shard."""
+        homes = {}
         for i, u in enumerate(self._trained()):
             # (load_state_dict writes the masters themselves, a checkpoint the views)
-            homes[id(self.masters[i])] = (i, u, u.key("master"), 0, u.key("opt0.") if views is None else None)
-            if views is not None:
-                mine = [(v, lo) for v, j, lo, _ in views.views if j == i]
-                for j, (v, lo) in enumerate(mine):
-                    homes[id(v)] = (i, u, u.key("master"), lo, u.key(f"opt{j}."))
+            homes[id(self.masters[i])] = (i, u, u.key("master"), 0, None)
+            for j, (v, lo) in enumerate(self.views.of_master(i) if self.views is not None else []):
+                homes[id(v)] = (i, u, u.key("master"), lo, u.key(f"opt{j}."))
         for u in self.units:
             if "frozen" in u.shard:
                 homes[id(u.shard["frozen"])] = (None, u, u.key("frozen"), 0, None)

@@ -25,10 +25,10 @@ compute copy. Then two steps of the engine's step template change and nothing el
     _step_grads   copy each gradient shard down (counted), cast it to fp32 ON THE HOST
     _upload       copy each updated master shard up, cast to the compute dtype (counted)
 
-The finite check, clipping and the optimizer (the user's torch optimizer, on one flat tensor
-per shard: a dozen vectorised calls per shard, never a loop over elements; pass foreach=True
-or fused=True to the factory where your torch has them) run on the host copies: the same
-arithmetic on the same values, so the result is bit for bit the engine without offload.
+The finite check, clipping and the optimizer (the user's torch optimizer, on one view per
+parameter of the host shards, through its foreach path unless the script chose fused=True)
+run on the host copies: the same arithmetic on the same values, so the result is bit for bit
+the engine without offload.
 
 `engine.transfers` is the ledger of device <-> host copies (direction, bytes, seconds), kept
 apart from `engine.comm`, the ledger of the network. memory_report() adds "device" and "host".
@@ -40,8 +40,8 @@ tests run on CPU with gloo; the CUDA details here, pinning and synchronising, ha
 on a GPU.)
 
 delay_update=True is ZeRO-Offload's one-step delayed parameter update (DPU): step() runs the
-engine's step template (gradients down, the finite check, clipping) and only its last part,
-`_update`, changes: it starts the optimizer on a background thread and step() returns; the
+engine's step (gradients down, the finite check, clipping) and only its update changes: the
+optimizer runs on a background thread (`_land_update`) and step() returns; the
 forward and backward of the next step run meanwhile, on the parameters from BEFORE that
 update. The next step() waits for it and publishes it. So the gradient of step t+1 is computed
 on the weights of step t-1: every update lags one step (the paper turns it on after a few
@@ -60,6 +60,7 @@ import torch
 import torch.nn as nn
 
 from ...memory import live_bytes, optimizer_tensors
+from ..param_groups import run_update
 
 
 
@@ -142,16 +143,8 @@ class OptimizerOffload:
             h.copy_(m)                  # setup, not a step: not counted
             host.append(nn.Parameter(h) if isinstance(m, nn.Parameter) else h)
         self._set_masters(host)          # every name the engine has for them means the host twins
-        # the optimizer holds the masters, or one view per parameter group of them
-        new_of = {id(m): h for m, h in zip(old, host)}
-        views = self._group_views
-        if views is not None:           # (views.views: (view, master index, lo, hi))
-            for k, (view, i, lo, hi) in enumerate(views.views):
-                new_of[id(view)] = host[i].detach()[lo:hi]
-                views.views[k] = (new_of[id(view)], i, lo, hi)
-            views.masters = self.masters
-        for group in self.optimizer.param_groups:
-            group["params"] = [new_of[id(t)] for t in group["params"]]
+        if self.views is not None:       # the optimizer's views are cut again, from the twins
+            self.views.move(host, self.optimizer)
 
     # -------------------------------------------------------------- the two steps that move bytes
     def _step_grads(self) -> list:
@@ -180,17 +173,27 @@ class OptimizerOffload:
         for m in self.masters:          # the host gradient copies are the step's alone
             m.grad = None
 
-    # -------------------------------------------------------------- the delayed update
-    def _step(self) -> bool:
-        self.finish_update()            # delay_update: the last step's update lands first,
-        return super()._step()          # then ZeRO-3's _step releases its gathered units (stale)
+    def _expose_grads(self):
+        """(The views are host tensors: the device's gradients reach them only in the step.)"""
 
-    def _update(self, held) -> None:
-        """delay_update: the optimizer runs on a thread and step() returns; finish_update, at the
-        next step, waits for it and publishes (a collective: on the main thread). `held` was read
-        by _step on this thread: the next backward changes which parameters were reached."""
+    # -------------------------------------------------------------- the delayed update
+    def _start_step(self) -> None:
+        self.finish_update()            # delay_update: the last step's update lands first,
+        super()._start_step()           # then ZeRO-3 releases its gathered units (stale)
+
+    def _hand_grads(self) -> None:
+        """delay_update: nothing is handed to the optimizer's own update (it finds no gradient and
+        does nothing); _land_update runs the update on a thread instead."""
         if not self.delay_update:
-            return super()._update(held)
+            super()._hand_grads()
+
+    def _land_update(self) -> None:
+        """delay_update: the views get this step's gradients and the optimizer runs on a thread,
+        and step() returns; finish_update, at the next step, waits for it and publishes (a
+        collective: on the main thread)."""
+        if not self.delay_update:
+            return super()._land_update()
+        super()._hand_grads()
         box: list = []
         # the hyperparameters are read once, now: a scheduler's change after this step() (on
         # the main thread, while the update runs) takes effect at the next step, as without delay
@@ -198,7 +201,7 @@ class OptimizerOffload:
 
         def update():                   # host arithmetic only: no collective on this thread
             try:
-                self._optimizer_step(held, as_of_now)
+                run_update(as_of_now)
             except BaseException as e:  # re-raised by finish_update, on the main thread
                 box.append(e)
 

@@ -49,11 +49,11 @@ import warnings
 import torch
 import torch.nn as nn
 
-from ...buckets import unreached_ranges
 from ...memory import optimizer_tensors
 from ...precision import fp32_where_buffers
 from .. import options, param_groups
 from ..base import Engine
+from ..param_views import ParamViews
 from ..options import EngineOptions
 from ..setup import broadcast_from_rank0, compiled_parts, start_data_parallel
 from ..state import flat_segments
@@ -86,7 +86,8 @@ class ZeRO3(UnitSchedule, Engine):
 
     peak_meter = measure_peak   # step()'s peak also sees storage resized by gathers and releases
     checkpoint_kind = "zero3"
-    flat_optimizer = "zl.ZeRO(stage=3)"   # the optimizer steps on one flat shard per unit
+    flat_optimizer = "zl.ZeRO(stage=3)"   # the optimizer may see parameters cut at a shard's edge
+    awaits_optimizer = True               # optimizer=None: FSDP2's order (param_groups.await_optimizer)
     stage = 3
     sharded = True
     accumulates_after_reduce = True       # (Engine._begin_backward) the gradient shards add up
@@ -137,16 +138,19 @@ class ZeRO3(UnitSchedule, Engine):
         if compiled is not None:
             self._compile_units(found, compiled)
         # the factory sees the model's parameters (its groups can tell them apart) ...
-        self.optimizer, group_of = param_groups.build(optimizer, model, opts.training.precision,
-                                                      self.flat_optimizer)
-        self._build_units(found, layout.init_fn, group_of)
-        # ... and updates one fp32 shard per unit (with several groups: a view per group in it)
+        self.optimizer, state = None, None
+        if optimizer is not None:
+            self.optimizer, state = param_groups.build(optimizer, model, opts.training.precision,
+                                                       self.flat_optimizer)
+        self._replaced: dict = {}       # id(meta parameter) -> the parameter that replaced it
+        self._build_units(found, layout.init_fn, self._replaced)
+        # ... and steps one view per parameter of this rank's fp32 shard of each unit
         self.masters = [u.master for u in self.units if u.master is not None]
-        trained = [u.buckets["train"] for u in self.units if u.master is not None]
-        views = param_groups.GroupViews(self.optimizer, self.masters, trained,
-                                        [b.shard(self.shard_rank) for b in trained], group_of)
-        self._group_views = views if views.views else None
-        param_groups.hand_over(self.optimizer, self)
+        if self.optimizer is not None:
+            self._place_groups()
+            param_groups.hand_over(self.optimizer, self, state)
+        else:                           # FSDP2's order: the script builds it afterwards
+            param_groups.await_optimizer(self)
         self._install_hooks()
         fp32_where_buffers(model, self.precision.compute_dtype)   # after the units' hooks: BatchNorm in fp32
         self._watch_parameters()
@@ -189,15 +193,16 @@ class ZeRO3(UnitSchedule, Engine):
                 state_dict[key] = t.clone()
 
     # -------------------------------------------------------------- construction
-    def _build_units(self, found, init_fn, group_of):
+    def _build_units(self, found, init_fn, replaced):
         """One Unit per group of parameters (units.group_params), each materialized in turn, so
-        at most ONE unit is ever held in full; then the replicated buffers (rank 0's values)."""
+        at most ONE unit is ever held in full; then the replicated buffers (rank 0's values).
+        replaced: filled with id(meta parameter) -> the parameter made in its place."""
         specs, groups, refs = group_params(self.model, found)
         self.units = []
         for i, ((name, module), params) in enumerate(zip(specs, groups)):
             u = self.unit_class(i, name, module, params, self.comm, self._event, self.route)
             u.materialize(self.model, refs, init_fn, self.route.shard_size, self.shard_rank, self._src,
-                          self.precision.compute_dtype, self.precision.policy.needs_master, group_of)
+                          self.precision.compute_dtype, self.precision.policy.needs_master, replaced)
             self.units.append(u)
             self._unit_built(u)
         self.param_unit = {id(p): u for u in self.units for b in u.buckets.values() for p in b.params}
@@ -239,10 +244,22 @@ class ZeRO3(UnitSchedule, Engine):
         yield
 
     # -------------------------------------------------------------- the step (Engine._step)
-    def _step(self) -> bool:
+    def _start_step(self) -> None:
         for u in self.units:            # a gathered copy would be stale after the update
             u.release("step")
-        return super()._step()
+
+    def _place_groups(self) -> None:
+        """The optimizer steps one view per parameter of this rank's master shards."""
+        trained = self._trained()
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        self.views = ParamViews(self.masters, [u.buckets["train"] for u in trained],
+                                [u.buckets["train"].shard(self.shard_rank) for u in trained], names,
+                                resident=self._master_resident)
+        self.views.place(self.optimizer, moved=self._replaced)
+
+    def _master_resident(self, i):
+        """A context in which master i is in memory (offload="disk" pages it in)."""
+        return contextlib.nullcontext()
 
     def _trained(self) -> list:
         return [u for u in self.units if u.master is not None]
@@ -257,16 +274,13 @@ class ZeRO3(UnitSchedule, Engine):
             u.master.grad = g.float() if mixed else g
         return [u.master.grad for u in self._trained()]
 
-    def _unreached(self):
-        # a parameter no rank used keeps no gradient in one process, so the optimizer leaves it
-        # (and its state) alone; here it shares a flat shard with others
-        train = self._trained()
-        unused, k = set(), 0
-        for u in train:
-            unused |= {k + i for i in (u.unused_positions or ())}
-            k += u.n_train
-        return self.masters, unreached_ranges([u.buckets["train"] for u in train], unused,
-                                              [u.buckets["train"].shard(self.shard_rank) for u in train])
+    def _unused_params(self) -> set:
+        # a parameter no rank used keeps no gradient in one process: the optimizer skips it
+        out = set()
+        for u in self._trained():
+            params = u.buckets["train"].params
+            out |= {id(params[i]) for i in (u.unused_positions or ())}
+        return out
 
     def _publish(self):
         for u in self._trained():
@@ -278,6 +292,8 @@ class ZeRO3(UnitSchedule, Engine):
             shard.copy_(master)
 
     def _drop_step_grads(self):
+        if self.views is not None:
+            self.views.drop_grads()
         for u in self._trained():       # (fp32: the master's grad IS the gradient shard)
             u.master.grad = None
 
@@ -300,8 +316,10 @@ class ZeRO3(UnitSchedule, Engine):
     def checkpoint_segments(self, names):
         # each unit's own shards: the fp32 master of what trains, the shard of what is frozen
         opt, frozen = [], []
+        if self.views is not None:      # what the optimizer updates: its views of the master shards
+            opt = self.views.segments(names)
         for u in self.units:
-            if "train" in u.buckets:
+            if "train" in u.buckets and self.views is None:
                 b = u.buckets["train"]
                 opt += flat_segments(u.master, b, b.shard(self.shard_rank), names)
             if "frozen" in u.buckets:

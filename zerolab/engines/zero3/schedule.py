@@ -155,6 +155,12 @@ class UnitSchedule:
         self._maybe_done(u)
 
     def _maybe_done(self, u):
+        # A trainable parameter's backward is over when its gradient is accumulated; a frozen
+        # one's has no such sign, only the gradient of the unit's inputs comes after it. A unit
+        # with frozen parameters and no input that needs a gradient (the root, under a frozen
+        # embedding) stays gathered until the end of backward (_finish_backward).
+        if "frozen" in u.buckets and u.input_hooks_out == 0:
+            return
         if u.n_acc == u.n_train and u.input_hooks_in >= u.input_hooks_out and u.in_backward:
             self._post_backward(u)
 

@@ -134,13 +134,13 @@ class Unit:
     def n_train(self):
         return len(self.buckets["train"].params) if "train" in self.buckets else 0
 
-    def materialize(self, model, refs, init_fn, world_size, rank, src, dtype, mixed, group_of):
+    def materialize(self, model, refs, init_fn, world_size, rank, src, dtype, mixed, replaced):
         """Give this unit its flat buffers and this rank's shards, holding at most this ONE unit
         in full: meta parameters are created and initialised here (init_fn(name, module)); real
         ones become views into the flat buffer. Every rank starts from rank `src`'s values.
-        group_of (id(param) -> optimizer group) orders the trainable ones by group, so that each
-        group is one contiguous range of the flat buffer (engines.param_groups)."""
-        trainable = sorted((p for p in self.params if p.requires_grad), key=lambda p: group_of.get(id(p), 0))
+        replaced: filled with id(meta parameter) -> the parameter made in its place (the
+        optimizer, built on the meta ones, then steps the new ones: engines.param_views)."""
+        trainable = [p for p in self.params if p.requires_grad]
         for kind, params in (("train", trainable),
                              ("frozen", [p for p in self.params if not p.requires_grad])):
             if not params:
@@ -157,8 +157,7 @@ class Unit:
                     q = nn.Parameter(torch.empty(0), requires_grad=p.requires_grad)
                     q.data = flat[offset:offset + p.numel()].view(p.shape)
                     offset += p.numel()
-                    if id(p) in group_of:
-                        group_of[id(q)] = group_of[id(p)]
+                    replaced[id(p)] = q
                     for _, m, pname in refs[id(p)]:
                         m._parameters[pname] = q      # every module that uses p (tied) gets q
                     new.append(q)

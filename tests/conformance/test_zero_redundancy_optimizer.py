@@ -1,4 +1,4 @@
-"""zl.ShardedOptimizer against PyTorch's ZeroRedundancyOptimizer and a plain optimizer.
+"""zl.ShardedOptimizer against PyTorch's ZeroRedundancyOptimizer and a plain optimizer: its whole contract.
 
 The three run beside each other under PyTorch's own DistributedDataParallel, on the same model,
 data and processes: the weights must agree (each element is updated by the same AdamW
@@ -143,12 +143,15 @@ def test_the_weights_match_zero_redundancy_optimizer_and_a_plain_adamw(seen):
 def test_each_rank_holds_k_psi_over_n_of_state_and_gathers_the_rest(seen):
     n, results = seen
     for r in results:
-        # Adam's two fp32 moments (K = 8 bytes) of this rank's slices: K * padded / N, exactly
-        assert r["state_bytes"] == 8 * r["padded"] // n
+        # Adam's two fp32 moments (K = 8 bytes) of the parameters' pieces in this rank's slices
+        # (padding has none): at most K * padded / N, at most K * (padding) below it
+        assert 8 * (r["padded"] // n - (r["padded"] - r["numel"])) <= r["state_bytes"] <= 8 * r["padded"] // n
         assert r["padded"] - r["numel"] < n * 2          # padding: under N per group (2 groups)
         # one all-gather per group per step: (N-1)/N of the flat buffers, fp32
         assert r["gather_bytes"] == STEPS * (n - 1) * r["padded"] // n * 4
-    # ZeroRedundancyOptimizer gives whole parameters to ranks: the same total, unevenly split
+    # every element's state lives on exactly one rank: K Psi over all of them, as
+    # ZeroRedundancyOptimizer's (which gives whole parameters to ranks, unevenly split)
+    assert sum(r["state_bytes"] for r in results) == 8 * results[0]["numel"]
     assert sum(r["torch_zero_state_bytes"] for r in results) == 8 * results[0]["numel"]
 
 
@@ -211,3 +214,147 @@ def test_one_process_is_the_plain_optimizer():
             opt.zero_grad()
     for k, v in a.state_dict().items():
         torch.testing.assert_close(b.state_dict()[k], v, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ the rest of the contract
+# Scenarios of PyTorch's test_zero_redundancy_optimizer.py, each run with zl.ShardedOptimizer,
+# ZeroRedundancyOptimizer and (where it has the same contract) the plain optimizer side by side.
+
+
+class SGDWithNewKey(torch.optim.SGD):
+    """Adds a key to its groups when it steps (torch's test_step_with_extra_inner_key)."""
+
+    def step(self, closure=None):
+        super().step(closure)
+        for group in self.param_groups:
+            group["new_key"] = 0.1
+
+
+class SGDWithStepKWArg(torch.optim.SGD):
+    """Takes a keyword at step() (torch's test_step_with_kwargs)."""
+
+    def step(self, closure=None, kwarg=None):
+        super().step(closure)
+        kwarg.append(5)
+
+
+def skipping_net():
+    """cases.Branchy: a frozen layer, a tied pair and a branch skipped on some steps."""
+    from cases import model
+    return model()
+
+
+def contract():
+    from cases import loss_of
+    out = {}
+    # the constructor: torch's exception types, and a misspelt keyword named
+    for kind in ("torch-zero", "sharded"):
+        def make(params, cls=torch.optim.AdamW, **kw):
+            if kind == "torch-zero":
+                return ZeroRedundancyOptimizer(params, cls, **kw)
+            return zl.ShardedOptimizer(params, cls, **kw)
+        errors = {}
+        for case, build in {
+            "misspelt keyword": lambda: make(Net().parameters(), lr=1e-3, weight_deacy=0.1),
+            "mixed dtypes": lambda: make([nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3, dtype=torch.float64))]),
+            "sparse": lambda: make([nn.Parameter(torch.zeros(3, 3).to_sparse())]),
+            "a tensor, not an iterable": lambda: make(nn.Parameter(torch.zeros(3))),
+        }.items():
+            try:
+                build()
+                errors[case] = "accepted"
+            except Exception as e:
+                errors[case] = (type(e).__name__, str(e))
+        out[("errors", kind)] = errors
+        # a key the inner optimizer adds shows outside; step's keywords reach the inner step
+        model = Net()
+        opt = make(model.parameters(), SGDWithNewKey, lr=0.1)
+        model(torch.randn(2, 7)).sum().backward()
+        opt.step()
+        out[("new key", kind)] = [g.get("new_key") for g in opt.param_groups]
+        model = Net()
+        opt = make(model.parameters(), SGDWithStepKWArg, lr=0.1)
+        model(torch.randn(2, 7)).sum().backward()
+        seen = []
+        opt.step(kwarg=seen)
+        out[("step kwargs", kind)] = seen
+    # closure, add_param_group after a step, and a parameter without a gradient on some steps,
+    # against the plain optimizer; then the consolidated state: per-parameter step counts, every
+    # hyperparameter, loadable into a plain optimizer that then steps the same
+    for kind in ("plain", "sharded"):
+        net = skipping_net()
+        params = [p for n, p in net.named_parameters() if not n.startswith("out.")]
+        opt = (torch.optim.AdamW(params, lr=1e-2) if kind == "plain" else
+               zl.ShardedOptimizer(params, torch.optim.AdamW, lr=1e-2))
+        for step in range(6):
+            if step == 3:
+                opt.add_param_group({"params": list(net.out.parameters()), "lr": 3e-2})
+            def again(step=step):
+                opt.zero_grad()
+                loss = loss_of(net, step, None if kind == "sharded" else _global(step))
+                loss.backward()
+                if kind == "sharded":           # (what the script's own DDP does: average)
+                    for p in net.parameters():
+                        if p.grad is not None:
+                            dist.all_reduce(p.grad)
+                            p.grad /= dist.get_world_size()
+                return loss
+            opt.step(again)
+        out[("weights", kind)] = {k: v.clone() for k, v in net.state_dict().items()}
+        if kind == "sharded":
+            opt.consolidate_state_dict(to=0)
+            out["consolidated"] = opt.state_dict() if dist.get_rank() == 0 else None
+        else:
+            out["plain state"] = opt.state_dict()
+    return out
+
+
+def _global(step):
+    from cases import batch
+    return batch(step)
+
+
+@pytest.fixture(scope="module")
+def contract_seen():
+    return zl.launch(contract, 2)
+
+
+def test_constructor_errors_are_zero_redundancy_optimizers(contract_seen):
+    r = contract_seen[0]
+    mine, theirs = r[("errors", "sharded")], r[("errors", "torch-zero")]
+    for case in mine:
+        assert mine[case] != "accepted" and theirs[case] != "accepted", case
+        assert mine[case][0] == theirs[case][0], (case, mine[case], theirs[case])
+    assert "weight_deacy" in mine["misspelt keyword"][1]
+
+
+def test_groups_sync_both_ways_and_step_takes_keywords(contract_seen):
+    r = contract_seen[0]
+    assert r[("new key", "sharded")] == r[("new key", "torch-zero")] == [0.1]
+    assert r[("step kwargs", "sharded")] == r[("step kwargs", "torch-zero")] == [5]
+
+
+def test_closure_added_group_and_skipped_parameters_match_the_plain_optimizer(contract_seen):
+    r = contract_seen[0]
+    want, got = r[("weights", "plain")], r[("weights", "sharded")]
+    assert max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-6
+    plain, mine = r["plain state"], r["consolidated"]
+    assert mine["param_groups"] == plain["param_groups"]       # every hyperparameter, both groups
+    assert sorted(mine["state"]) == sorted(plain["state"])
+    assert {float(st["step"]) for st in mine["state"].values()} == {3.0, 4.0, 6.0}   # added, skipped
+    for k, st in plain["state"].items():
+        for key, value in st.items():
+            torch.testing.assert_close(mine["state"][k][key], value, rtol=0, atol=1e-6)
+    # loaded into a plain AdamW (every key it needs is there), it steps as the plain one does
+    after = []
+    for state in (mine, plain):
+        net = skipping_net()
+        params = [p for n, p in net.named_parameters() if not n.startswith("out.")]
+        resumed = torch.optim.AdamW([{"params": params}, {"params": list(net.out.parameters())}])
+        net.load_state_dict(want)
+        resumed.load_state_dict(state)
+        for p in net.parameters():
+            p.grad = torch.ones_like(p) if p.requires_grad else None
+        resumed.step()
+        after.append(net.state_dict())
+    assert max(float((after[0][k] - after[1][k]).abs().max()) for k in want) <= 1e-6
