@@ -26,7 +26,6 @@ from typing import NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 # ------------------------------------------------------------------ the paper's model
 
@@ -219,14 +218,17 @@ class AllocationTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {_storage_key(t)[0] for t in tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        inputs = None           # the inputs' storages, read only if an output might be new
+        for t in _tensors(out):
+            if t.device.type == "meta":
                 continue
             key, nbytes = _storage_key(t)
-            if key[2] == 0 or key in inputs or key in self._live:
-                continue  # a view, an in-place result, or already counted
+            if key[2] == 0 or key in self._live:
+                continue  # empty, or already counted
+            if inputs is None:
+                inputs = {_storage_key(x)[0] for x in _tensors((args, kwargs))}
+            if key in inputs:
+                continue  # a view of an input, or an in-place result
             self._live[key] = nbytes
             self.current += nbytes
             self.allocations += 1
@@ -235,6 +237,20 @@ class AllocationTracker(TorchDispatchMode):
                 self.trace.append(TraceEvent(len(self.trace), nbytes, str(func), self.allocations))
             weakref.finalize(t.untyped_storage(), self._freed, key, self.allocations)
         return out
+
+
+def _tensors(tree):
+    """The tensors in an operation's arguments or results (nested tuples, lists and dicts): a
+    plain walk, as tree_leaves but without its per-node bookkeeping, since it runs for every
+    operation a tracked region performs (a foreach update passes lists of every parameter)."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (tuple, list)):
+        for x in tree:
+            yield from _tensors(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from _tensors(x)
 
 
 class PeakMemory:

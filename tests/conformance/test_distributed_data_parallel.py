@@ -14,7 +14,6 @@ import contextlib
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import zerolab as zl

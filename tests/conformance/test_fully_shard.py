@@ -25,7 +25,7 @@ from torch.distributed.fsdp import fully_shard
 
 import zerolab as zl
 
-from cases import STEPS, TOL, engine_for, loss_of, model, pytorch_loop, weights, worst
+from cases import STEPS, TOL, engine_for, model, pytorch_loop, weights, worst
 
 pytestmark = pytest.mark.slow     # launches ranks (make test-fast leaves it out)
 

@@ -48,12 +48,12 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..memory import PeakMemory
-from ..precision import clip_grad_norm_, global_norm, squared_norm
-from . import grad_guard, param_groups
+from ..precision import global_norm, squared_norm
+from . import grad_guard
 from .options import check_max_grad_norm
-from .param_views import gather_bytes, use_foreach
 from .setup import broadcast_from_rank0, measured_forward
 from .state import EngineState
+from .step import Step
 
 
 def tensors_in(output) -> list:
@@ -69,7 +69,7 @@ def tensors_in(output) -> list:
             out += tensors_in([getattr(x, f.name) for f in dataclasses.fields(x)])
     return out
 
-class Engine(EngineState):
+class Engine(Step, EngineState):
     """The shared part of every zerolab engine (see the module docstring; what it holds and
     reports: engines.state.EngineState)."""
 
@@ -212,6 +212,7 @@ class Engine(EngineState):
                 "accumulate over micro-batches, run all but the last backward inside "
                 "`with engine.no_sync():`.")
         self.last_backward = {"start": self.comm.now(), "compute_end": None, "end": None}
+        self._exposed = False
         self._reset_backward_state()
         if queue:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -234,20 +235,6 @@ class Engine(EngineState):
             self._expose_grads()
         self._in_backward = False
 
-    def _expose_grads(self) -> None:
-        """fp32 flat engines, after a reducing backward: each of the optimizer's views already
-        holds its averaged gradient (a view of the engine's, no copy), as each parameter's .grad
-        holds it after PyTorch DDP's backward: so what reads the optimizer's gradients between
-        backward and step (torch.amp.GradScaler's unscale_ under autocast, a script's own
-        inspection) sees them. (bf16 / fp16 masters get fp32 gradients only inside the step.)"""
-        for m, g in zip(self._flat_masters(), self._owned_grads()):
-            m.grad = g
-        self.views.point_grads(self._unused_params())
-
-    def _flat_masters(self) -> list:
-        """The tensors the views are cut from, in the order of _owned_grads()."""
-        return self.masters
-
     def _take_back_guards(self) -> None:
         """Before a backward adds to p.grad: remove the guards. If the script removed them all
         (model.zero_grad(), a torch optimizer's zero_grad(), p.grad = None), it zeroed the
@@ -266,27 +253,6 @@ class Engine(EngineState):
                 "or model.zero_grad()).")
         grad_guard.unhide(self._trainable())
         self._guarded = False
-
-    # -------------------------------------------------------------- the optimizer
-    def _place_groups(self) -> None:
-        """Move the optimizer's groups onto what this engine updates: here one master per
-        parameter (the flat engines: one view per parameter, engines.param_views)."""
-        param_groups.place_per_parameter(self.optimizer, self.params, self.masters)
-
-    def gather_bytes(self, data: bytes) -> list:
-        """Every rank's `data`, in rank order, over the ranks whose shards make up the whole (a
-        collective, through the ledger): how the optimizer's state dict is put together."""
-        from ..launch import device
-        return gather_bytes(self.comm, self.norm_group, device())(data)
-
-    def adopt(self, optimizer) -> None:
-        """FSDP2's order: the optimizer the script built over engine.parameters() after wrapping
-        becomes the engine's at its first step (param_groups.await_optimizer), exactly as if it
-        had been passed in: checked, its groups moved onto the engine's tensors, handed over."""
-        opt, state = param_groups.build(optimizer, self.model, self.precision.name, self.flat_optimizer)
-        self.optimizer = opt
-        self._place_groups()
-        param_groups.hand_over(opt, self, state)
 
     def _watch_parameters(self) -> None:
         """The end of every engine's construction: a hook on each trainable parameter, run
@@ -312,196 +278,6 @@ class Engine(EngineState):
 
     def _finish_backward(self) -> None:
         """The end of a reducing backward: every gradient reduced (waited for) when it returns."""
-
-    # -------------------------------------------------------------- the step
-    # optimizer.step() is the step, whoever calls it (engine.step() calls it too): PyTorch's step
-    # hooks (param_groups.hand_over) run _before_update, then the optimizer's own update of the
-    # tensors that were handed a gradient, then _after_update.
-    views = None                # flat engines: engines.param_views.ParamViews (what the optimizer steps)
-    _applied = False            # did the step in progress find finite gradients?
-    _peak = None                # the step's peak-memory meter, from _before_update to _after_update
-
-    def step(self) -> bool:
-        """Unscale, check, clip, update. False (and nothing changed) when an fp16 overflow skips it."""
-        if self.optimizer is None:
-            self._check_step(None)      # (says what to do instead)
-        self.optimizer.step()
-        return self._applied
-
-    def _before_update(self, optimizer=None) -> None:
-        """Before the optimizer's own update: refuse gradients it should not apply, then unscale,
-        check, clip and hand each tensor the optimizer holds its gradient (_prepare_update)."""
-        self._check_step(optimizer)
-        self._close_step()              # (a step that raised inside the optimizer left it open)
-        if self.track_peak:
-            self._peak = self.peak_meter("cpu")
-            self._peak.__enter__()
-        if self.views is not None:      # one foreach call per operation, not one per parameter
-            self._foreach_set = use_foreach(self.optimizer)
-        try:
-            self._start_step()
-            with torch.no_grad():
-                self._applied = self._prepare_update()
-        except BaseException:
-            self._close_step()
-            raise
-
-    def _after_update(self) -> None:
-        """After the optimizer's own update: the compute copies catch up (_land_update: a cast, an
-        all-gather), the step's gradients go, the loss scale moves on."""
-        try:
-            with torch.no_grad():
-                if self._applied:
-                    self._land_update()
-                    self.precision.update(found_inf=False)
-                self._drop_step_grads()
-        finally:
-            self._close_step()
-        self.steps += 1
-        self._backward_done = False     # (_reduced stays until zero_grad: see _begin_backward)
-
-    _foreach_set: list = []             # groups whose foreach this step set (use_foreach)
-
-    def _close_step(self) -> None:
-        """The end of a step's scope: the peak meter read, the groups' foreach as the script left it."""
-        for group in self._foreach_set:
-            group["foreach"] = None
-        self._foreach_set = []
-        if self._peak is not None:
-            peak, self._peak = self._peak, None
-            peak.__exit__(None, None, None)
-            self.last_peak = peak.peak
-
-    def _check_step(self, optimizer) -> None:
-        """Refuse a step whose gradients are not what it should apply."""
-        if self.optimizer is None:
-            raise RuntimeError(
-                f"{type(self).__name__} was built without an optimizer, as DistributedDataParallel is: "
-                "step your own (built on engine.parameters()) after loss.backward(); the gradients "
-                "in p.grad are already averaged over ranks.")
-        if getattr(optimizer, "found_inf", None) is not None:     # torch.amp.GradScaler.step()
-            raise RuntimeError(
-                f"torch.amp.GradScaler with precision={self.precision.name!r}: the engine keeps fp32 "
-                "master weights and, in fp16, scales the loss itself. Drop the GradScaler and use "
-                "precision='fp16' with engine.backward(loss) (or precision='bf16', which needs no "
-                "scaling); a GradScaler fits precision='fp32' under your own autocast.")
-        if not self._backward_done:
-            raise RuntimeError("step() called before backward(): there is no gradient to apply. "
-                               "Call loss.backward() (or engine.backward(loss)) first, on every rank.")
-        if self._unscaled:
-            raise RuntimeError(
-                "precision='fp16' needs engine.backward(loss): it multiplies the loss by the loss "
-                "scale before backward, and a bare loss.backward() skipped that (its small gradients "
-                "may have flushed to zero, and step() would divide by a scale never applied). "
-                "Call engine.zero_grad(), then use engine.backward(loss); or build the engine with "
-                "scaler=False to train fp16 without loss scaling.")
-        if self._unreduced:
-            raise RuntimeError(
-                "step() after a backward inside no_sync(): those gradients were never averaged over "
-                "ranks. Run the last micro-batch's forward and backward outside no_sync().")
-
-    def _start_step(self) -> None:
-        """The first thing a step does once it is accepted (ZeRO-3 releases gathered units;
-        offload lands the update still in flight)."""
-
-    def _prepare_update(self) -> bool:
-        """The step's fp32 gradients, one finite check, clipping, then each tensor the optimizer
-        updates gets its gradient (_hand_grads). False: an fp16 overflow, nothing is handed."""
-        grads = self._step_grads()
-        if not self._grads_finite(grads):    # fp16 overflow: nothing changes, the scale drops
-            self._drop_step_grads()
-            try:
-                self.precision.update(found_inf=True, step=self.steps)
-            except FloatingPointError as gave_up:
-                raise FloatingPointError(f"{gave_up} {self._diagnose()}") from None
-            return False
-        max_norm, self._clip_next = self._clip_next or self.max_grad_norm, None
-        if max_norm is not None:
-            self._clip(grads, max_norm)
-        self._hand_grads()
-        return True
-
-    def _clip(self, grads, max_norm) -> None:
-        """Scale the step's gradients so that the whole gradient's norm is at most max_norm
-        (sharded engines hold disjoint slices: their squared norms are summed over ranks)."""
-        self.last_grad_norm = clip_grad_norm_(grads, max_norm, self.comm if self.sharded else None,
-                                              group=self.norm_group)
-
-    def _hand_grads(self) -> None:
-        """Give each tensor the optimizer holds the gradient it steps with. One master per
-        parameter: done by _step_grads (a parameter no backward reached keeps None, so the
-        optimizer skips it). Flat engines: each view gets its range of the flat gradient, except
-        a parameter no rank reached (_unused_params). offload's delay_update and offload="disk"
-        run the update here themselves (run_update) and hand nothing to the optimizer's own."""
-        if self.views is not None:
-            self.views.point_grads(self._unused_params())
-
-    def _unused_params(self) -> set:
-        """ids of the trained parameters no rank's backward reached since zero_grad()."""
-        return set()
-
-    def _land_update(self) -> None:
-        """After an applied update: the compute copies catch up with the masters."""
-        self._publish()
-
-    # The defaults below are for one master per parameter (SingleProcess, NaiveDDP): in fp32
-    # the masters ARE the parameters; in bf16/fp16 they are fp32 copies. The flat engines
-    # (DDP, ZeRO) override them.
-    def _step_grads(self) -> list:
-        """Give each tensor the optimizer updates its fp32 gradient; return those gradients."""
-        if self.masters is not self.params:
-            # cast: fp32 copies of the low-precision gradients, short-lived, on the masters
-            for p, m in zip(self.params, self.masters):
-                m.grad = None if p.grad is None else p.grad.float()
-        return [m.grad for m in self.masters if m.grad is not None]
-
-    def _grads_finite(self, grads) -> bool:
-        """The one finite check. fp16: unscale, and every rank agrees (zerolab.precision).
-        fp32/bf16: there is no scale to lower, so a non-finite gradient is an error."""
-        if self.precision.scaler is not None:
-            return self.precision.unscale_and_check(grads)
-        # one sum per tensor finds it (inf and nan survive a sum) at a fraction of the cost
-        # of isfinite over every element
-        sums = [s.float() for s in self._grad_sums(grads)]
-        if sums and not bool(torch.isfinite(torch.stack(sums).sum())):
-            where = f" on rank {self.rank}" if getattr(self, "world_size", 1) > 1 else ""
-            raise FloatingPointError(
-                f"non-finite gradients at step {self.steps}{where} in {self.precision.name} training "
-                "(there is no loss scale to lower): find the first module that makes inf or nan with "
-                "zl.debug.first_nonfinite(model, batch), or lower the learning rate.")
-        return True
-
-    def _diagnose(self) -> str:
-        """fp16 gave up: re-run the last training batch with a hook on every module and name the
-        first one whose output is not finite (zerolab.debug). Every rank gets here at the same
-        step (the overflow verdict is all-reduced), so ZeRO-3's gathering forward is safe."""
-        if self._last_batch is None:
-            return ""
-        from ..debug import first_nonfinite
-        args, kwargs = self._last_batch
-        self._last_batch = None
-        found = first_nonfinite(self.model, *args, **kwargs)
-        if found is None:
-            return ("The last batch's forward is finite on this rank, so the overflow is in the "
-                    "backward: look at the loss's scale and at the gradients of the last layers.")
-        return f"In the last batch's forward on this rank, {found}."
-
-    def _grad_sums(self, grads) -> list:
-        return [g.sum() for g in grads if g is not None]
-
-    def _publish(self) -> None:
-        """After the update: make the compute copies (what forward uses) match the masters."""
-        if self.masters is not self.params:
-            for p, m in zip(self.params, self.masters):
-                p.data.copy_(m)     # the compute copy is the cast of the authoritative master
-
-    def _drop_step_grads(self) -> None:
-        """Free the fp32 gradients _step_grads gave the masters (and the views' ranges of them)."""
-        if self.views is not None:
-            self.views.drop_grads()
-        if self.masters is not self.params:
-            for m in self.masters:
-                m.grad = None
 
     # -------------------------------------------------------------- gradients
     def zero_grad(self, set_to_none: bool = True) -> None:

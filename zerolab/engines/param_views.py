@@ -112,14 +112,16 @@ class ParamViews:
         parameter in `skip` (ids: no rank's backward reached it) and an empty view keep None,
         so the optimizer skips them as it skips a parameter without a gradient. `only`: the
         master indices to point (offload="disk" steps one unit at a time)."""
+        grads = [m.grad for m in self.masters]
         for p in self.params:
             i, lo, hi = self.where[id(p)]
-            view = self.view_of[id(p)]
             if only is not None and i not in only:
                 continue
-            grad = self.masters[i].grad
-            if lo == hi or id(p) in skip or grad is None:
+            view, grad = self.view_of[id(p)], grads[i]
+            if lo == hi or grad is None or id(p) in skip:
                 view.grad = None
+            elif grad.is_contiguous():      # one operation: the range, in the view's shape
+                view.grad = grad.as_strided(view.shape, view.stride(), grad.storage_offset() + lo)
             else:
                 view.grad = grad[lo:hi].view(view.shape)
 
