@@ -268,3 +268,104 @@ def run_optimizer_half(steps: int = 3, size: str = "nano"):
             out["gathered"] = opt.comm.bytes("all_gather") // steps
     out["psi"] = num_params(model, trainable_only=True)
     return out
+
+
+# ------------------------------------------------------------------ what the optimizer is handed
+
+
+def _decay_groups(params_by_name):
+    """nanoGPT's configure_optimizers: weight decay on matrices, none on the rest."""
+    named = list(params_by_name)
+    return [{"params": [p for n, p in named if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _plain_run(steps, start=None, first=0, size="nano"):
+    """One process on the global batch with a plain AdamW: (model, optimizer)."""
+    import torch.distributed as dist
+    data = CharDataset(32)
+    n = dist.get_world_size() if dist.is_initialized() else 1
+    model = _gpt(size)
+    opt = torch.optim.AdamW(_decay_groups(model.named_parameters()), lr=1e-3, eps=1e-6)
+    if start is not None:
+        model.load_state_dict(start["model"])
+        opt.load_state_dict(start["optimizer"])
+    for s in range(first, steps):
+        # the global batch: every rank's rows, in rank order, as one process sees them
+        rows = [data.batch(s, 2, r, n) for r in range(n)]
+        batch = tuple(torch.cat([b[i] for b in rows]) for i in range(2))
+        gpt_loss(model, batch)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _zero1_run(steps, start=None, first=0, size="nano"):
+    """zl.ZeRO(stage=1) on this rank's share, PyTorch's loop; `start` loaded nanoGPT's way
+    (model and optimizer state first, then the model is wrapped)."""
+    import torch.distributed as dist
+    data = CharDataset(32)
+    r, n = dist.get_rank(), dist.get_world_size()
+    model = _gpt(size)
+    if start is not None:
+        model.load_state_dict(start["model"])
+    opt = torch.optim.AdamW(_decay_groups(model.named_parameters()), lr=1e-3, eps=1e-6)
+    if start is not None:
+        opt.load_state_dict(start["optimizer"])
+    engine = engines.ZeRO(model, opt, stage=1, bucket_mb=0.02)
+    for s in range(first, steps):
+        gpt_loss(engine, data.batch(s, 2, r, n))[1].backward()
+        opt.step()
+        opt.zero_grad()
+    return engine, opt
+
+
+def _gap(a: dict, b: dict) -> float:
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in b)
+
+
+def run_optimizer_views(path: str, steps: int = 4, size: str = "nano"):
+    """Chapter 6's look at what ZeRO-1's optimizer is handed and what its state dict holds, on
+    this rank: the view of each parameter, then the state dict against a plain AdamW's, then
+    nanoGPT's checkpoint habit (rank 0 saves, the resumed run loads before wrapping) and a plain
+    run's checkpoint imported, each against the run that never stopped."""
+    import torch.distributed as dist
+    engine, opt = _zero1_run(steps, size=size)
+    uninterrupted = engine.state_dict()
+    names = [n for n, _ in engine.module.named_parameters()]
+    held = [t for g in opt.param_groups for t in g["params"]]
+    order = [n for g in _decay_groups(engine.module.named_parameters()) for n in
+             [m for m, p in engine.module.named_parameters() if any(p is q for q in g["params"])]]
+    out = {"views": [(n, tuple(p.shape), tuple(t.shape)) for n, t, p in
+                     zip(order, held, [dict(engine.module.named_parameters())[n] for n in order])],
+           "params": len(names), "held": len(held), "nonempty": sum(t.numel() > 0 for t in held),
+           "state_entries": len(opt.state)}
+    mine = opt.state_dict()                         # a collective: every rank calls it
+    plain_model, plain_opt = _plain_run(steps, size=size)
+    want = plain_opt.state_dict()
+    out["same_groups"] = mine["param_groups"] == want["param_groups"]
+    out["same_entries"] = sorted(mine["state"]) == sorted(want["state"])
+    out["steps"] = sorted({int(st["step"]) for st in mine["state"].values()})
+    out["state_gap"] = max(float((mine["state"][k][key] - v).abs().max())
+                           for k, st in want["state"].items() for key, v in st.items())
+    out["weights_gap"] = _gap(engine.state_dict(), plain_model.state_dict())
+    # nanoGPT's habit: rank 0 saves halfway, every rank loads it and goes on
+    half = steps // 2
+    engine, opt = _zero1_run(half, size=size)
+    checkpoint = {"model": engine.state_dict(), "optimizer": opt.state_dict()}
+    if dist.get_rank() == 0:
+        torch.save(checkpoint, path)
+    dist.barrier()
+    saved = torch.load(path, weights_only=True)
+    resumed, _ = _zero1_run(steps, start=saved, first=half, size=size)
+    out["resume_gap"] = _gap(resumed.state_dict(), plain_model.state_dict())
+    out["resume_bitwise"] = _gap(resumed.state_dict(), uninterrupted) == 0.0
+    # a plain PyTorch run's checkpoint, imported
+    p_model, p_opt = _plain_run(half, size=size)
+    imported, _ = _zero1_run(steps, start={"model": p_model.state_dict(), "optimizer": p_opt.state_dict()},
+                             first=half, size=size)
+    out["import_gap"] = _gap(imported.state_dict(), plain_model.state_dict())
+    # and ours back into a plain optimizer in one process
+    back, _ = _plain_run(steps, start=saved, first=half, size=size)
+    out["export_gap"] = _gap(back.state_dict(), plain_model.state_dict())
+    return out
