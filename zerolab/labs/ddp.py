@@ -10,15 +10,20 @@ describes; the rest of the engine (buckets, the step on flat buffers, no_sync) i
 
 DDPLab is zl.DDP with those four left to write, and with the grader's instruments: it notes which
 gradients have arrived, and stops the run the moment a bucket is reduced before it is full, out of
-order or inside no_sync, or when backward returns with a reduction still in flight.
+order or inside no_sync, when _reduce returns no handle, or when backward returns with a reduction
+still in flight. Overlap is graded by zerolab.labs.overlap's rule: each bucket's all-reduce must be
+in flight while at least one autograd node of backward starts, unless backward had nothing left to
+compute when it was launched.
 """
 
 from __future__ import annotations
 
 from ..engines.ddp import DDP       # the library's engine: its seams are the reference
 from .checks import Piece, check_parity, fmt_bytes, per_step, piece_of_bucket, ring_factor
-from .engine_run import moved, record_run, stub
+from .engine_run import BOOKKEEPING, instrument, moved, record_run, stub
 from .lab import Check, Lab, Stop, Wrong
+from .overlap import check_overlap, not_async
+from .plugins import GradedCode
 from .model import BUCKET_MB, OPTIMIZER, SCHEDULE, build
 
 SEAMS = ("_take", "_on_grad_ready", "_reduce", "_finish_backward")
@@ -85,7 +90,10 @@ class DDPLab(DDP):
                        "(and race with the copies still to come).",
                        "launch a bucket only when self._missing[b] reaches 0.")
         super()._launch(b)
-        self._handles.append(self._pending[-1][1])
+        handle = self._pending[-1][1]
+        if handle is None:
+            raise not_async(PROTOCOL, b, type(self)._reduce, "all-reduce")
+        self._handles.append(handle)
 
     def _end_backward(self):
         self._finishing = True
@@ -119,6 +127,7 @@ def measure(plugin) -> dict:
     model = build()
     names = {id(p): name for name, p in model.named_parameters()}
     engine = plugin["engine"](model, OPTIMIZER, bucket_mb=BUCKET_MB)
+    instrument(engine, GradedCode(LAB, plugin))
     # one piece per parameter: p.grad is what a PyTorch script reads
     pieces = [Piece(f"bucket {b}", [(names[id(p)], 0, p.numel())], p.numel())
               for b, bucket in enumerate(engine.buckets.buckets) for p in bucket.params]
@@ -166,16 +175,8 @@ def bytes_per_step(ranks) -> str:
 
 
 def overlap(ranks) -> str:
-    def check(step, d, s):
-        starts = [start for op, tag, numel, sent, start, end in s["records"] if op == "all_reduce"]
-        if not starts or min(starts) >= s["compute_end"]:
-            raise Wrong("no_overlap", f"step {step}, rank {d['rank']}: no bucket's all-reduce started before "
-                        "backward's compute ended: they all waited for the end of backward, so nothing "
-                        "overlapped.", "launch each bucket from _on_grad_ready as soon as its last gradient is "
-                        "in (and every bucket before it has been launched).")
-
-    per_step(ranks, check)
-    return "in every step the first bucket's all-reduce started while backward was still computing"
+    return check_overlap(ranks, "all_reduce", "all-reduce", "wait for it once backward has no work left "
+                         "(_finish_backward), or in a later hook for a bucket already done")
 
 
 LAB = Lab(
@@ -186,7 +187,7 @@ LAB = Lab(
             Check("parity with one process on the global batch", parity, 'chapter 5, "The idea"'),
             Check("bytes per step against 2(N-1)/N Psi", bytes_per_step,
                   'chapter 5, "Bytes per step: measured vs the paper\'s 2 Psi"'),
-            Check("overlap: buckets launched during backward", overlap,
+            Check("overlap: backward computes while buckets are all-reduced", overlap,
                   'chapter 5, "Naive vs bucketed vs overlapped: the timeline"')),
     mistakes_module="zerolab.labs.ddp_mistakes",
 )
