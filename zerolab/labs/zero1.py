@@ -37,9 +37,11 @@ class ZeRO1Lab(ZeRO1):
     self._ready_to_reduce(b, flat)  zeroes the slots no gradient reached and divides by N (chapter 5)
     self._out                 a dict you may use: bucket -> the reduce-scatter's output until _complete
     self.rank, self.world_size, self.device
-    self.comm                 the ledger: reduce_scatter(out, in, async_op=True, tag=...) -> handle,
-                              all_gather(out, in, tag=...) (blocking without async_op; `out` one
-                              flat tensor N times `in`, every rank's `in` in rank order)
+    self.comm                 the ledger (zerolab.comm.Ledger): reduce_scatter(out, in,
+                              async_op=False, tag="") (`in` N times `out`: rank r gets the sum of
+                              slice r) and all_gather(out, in, async_op=False, tag="") (`out` N
+                              times `in`, every rank's `in` in rank order); each returns a handle
+                              with .wait() if async_op, else None once done
 
     and what you set in _lay_out_masters: self.shards[b], the slice of bucket b this rank owns,
     and self.master_shards[b], the tensor the optimizer updates for it; you also set

@@ -45,7 +45,9 @@ class ZeRO2Lab(ZeRO2):
     self._acc32[b]            an fp32 accumulator of that slice (None until you need one)
     self._filled[b]           True once bucket b's slice holds a gradient since zero_grad
     self._out                 a dict you may use: bucket -> a reduce-scatter's output until _complete
-    self.rank, self.world_size, self.device, self.comm (reduce_scatter(out, in, async_op=True, tag=...))
+    self.rank, self.world_size, self.device
+    self.comm                 the ledger (zerolab.comm.Ledger): reduce_scatter(out, in,
+                              async_op=False, tag=""): a handle with .wait() if async_op, else None
 
     The step reads self._owned_grads(): _acc32[b] if you made one, else grad_shards[b].
     """

@@ -79,12 +79,20 @@ class UnitLab(Unit):
     self.grad_full                the unit's full gradient, filled during backward (None if none arrived)
     self.grad_shard               this rank's reduced gradient shard, kept until zero_grad
     self._rs                      yours: (handle, output) of the reduce-scatter in flight
-    self.comm                     the ledger: all_gather(out, in, async_op=True, tag=...) and
-                                  reduce_scatter(out, in, async_op=True, tag=...) -> handle
+    self.comm                     the ledger (zerolab.comm.Ledger): all_gather(out, in,
+                                  async_op=False, tag="") and reduce_scatter(out, in, ...): a
+                                  handle with .wait() if async_op, else None once done
     self.record(self, state, phase)   optional: notes an event for chapter 8's lifecycle plot
 
-    and the helpers storage_alloc(t), storage_free(t), mark_released(params, True | False) of
-    zerolab.labs.zero3. (Each unit here has one kind of buffer, "train".)
+    and the helpers of zerolab.labs.zero3: storage_alloc(t) gives a freed buffer its memory back
+    (its values are then garbage), storage_free(t) frees it (the tensor keeps its shape, views of
+    it keep theirs), mark_released(params, True | False) marks parameters released (reading one
+    raises an error that says where the values are) or readable again. (Each unit here has one
+    kind of buffer, "train".)
+
+    `phase`, the argument of gather, wait and release, says why they are called: "forward" or
+    "backward" (the unit's own, or a prefetch for it), "step" (every unit is released before the
+    optimizer step) or "inspect" (engine.gathered_parameters()).
     """
 
 
@@ -340,9 +348,10 @@ def overlap(ranks) -> str:
             least[op] += [events for _, events in overlapped(entries, (op,))]
 
     per_step(ranks, check)
-    return (f"every all-gather issued ahead was in flight while at least {min(least['all_gather'])} module "
-            f"forwards or autograd operations started, and every reduce-scatter with backward left to run while "
-            f"at least {min(least['reduce_scatter'])} autograd operations did (graded by the order of events, "
+    return (f"every all-gather issued ahead was in flight while at least "
+            f"{_count(min(least['all_gather']), 'module forward or autograd operation')} started, and every "
+            f"reduce-scatter with backward left to run while at least "
+            f"{_count(min(least['reduce_scatter']), 'autograd operation')} did (graded by the order of events, "
             "not by time)")
 
 
