@@ -22,7 +22,7 @@ from ..engines.ddp import DDP       # the library's engine: its seams are the re
 from .checks import Piece, check_parity, fmt_bytes, per_step, piece_of_bucket, ring_factor
 from .engine_run import BOOKKEEPING, instrument, moved, record_run, stub
 from .lab import Check, Lab, Stop, Wrong
-from .overlap import check_overlap, not_async
+from .overlap import check_handle, check_overlap
 from .plugins import GradedCode
 from .model import BUCKET_MB, OPTIMIZER, SCHEDULE, build
 
@@ -92,8 +92,7 @@ class DDPLab(DDP):
                        "launch a bucket only when self._missing[b] reaches 0.")
         super()._launch(b)
         handle = self._pending[-1][1]
-        if handle is None:
-            raise not_async(PROTOCOL, b, type(self)._reduce, "all-reduce")
+        check_handle(PROTOCOL, b, handle, type(self)._reduce, "all-reduce")
         self._handles.append(handle)
 
     def _end_backward(self):

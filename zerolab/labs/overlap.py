@@ -222,13 +222,28 @@ def overlapped(entries: list, ops: tuple) -> list:
 
 def not_async(check: str, b: int, method, name: str) -> Stop:
     """The Stop for a _reduce that returned no handle (its collective ran without async_op=True)."""
-    code = getattr(method, "__code__", None)
-    at = "" if code is None else f" ({os.path.basename(code.co_filename)}, line {code.co_firstlineno})"
     return Stop(check, "not_async",
-                f"bucket {b}: your _reduce{at} returned None, not the handle of the {name} it started: "
+                f"bucket {b}: your _reduce{_at(method)} returned None, not the handle of the {name} it started: "
                 f"issued without async_op=True, the {name} ran to the end inside _reduce (backward stood "
                 "still meanwhile) and left nothing to wait for.",
                 "start the collective asynchronously and return its handle; the reducer waits for it later.")
+
+
+def check_handle(check: str, b: int, handle, method, name: str) -> None:
+    """Raise the Stop for a _reduce whose return is not the ledger's handle of its collective."""
+    if handle is None:
+        raise not_async(check, b, method, name)
+    if not hasattr(handle, "record"):
+        raise Stop(check, "not_the_ledger",
+                   f"bucket {b}: your _reduce{_at(method)} returned a {type(handle).__name__}, not a handle of "
+                   f"the engine's ledger: the {name} went straight to torch.distributed, where nothing counts "
+                   "its bytes or notes when it was waited for.",
+                   "issue every collective through self.comm, the engine's ledger: it takes the same arguments.")
+
+
+def _at(method) -> str:
+    code = getattr(method, "__code__", None)
+    return "" if code is None else f" ({os.path.basename(code.co_filename)}, line {code.co_firstlineno})"
 
 
 def gradient_entries(s, op: str) -> list:

@@ -21,7 +21,7 @@ from ..engines.zero2 import ZeRO2     # the library's engine: its seams are the 
 from .checks import check_collectives, check_parity, fmt_bytes, per_step, piece_of_bucket
 from .engine_run import instrument, moved, record_run, stub
 from .lab import Check, Lab, Stop, Wrong
-from .overlap import check_overlap, not_async
+from .overlap import check_handle, check_overlap
 from .plugins import GradedCode
 from .model import BUCKET_MB, OPTIMIZER, SCHEDULE, build, loss_of, micro_batch
 
@@ -60,8 +60,7 @@ class ZeRO2Lab(ZeRO2):
     def _launch(self, b):
         buf = self._buffer_of.get(b)
         super()._launch(b)
-        if self._pending[-1][1] is None:
-            raise not_async(POOL, b, type(self)._reduce, "reduce-scatter")
+        check_handle(POOL, b, self._pending[-1][1], type(self)._reduce, "reduce-scatter")
         if buf is not None:
             self._in_flight[buf.data_ptr()] = (b, self._pending[-1][1])
 
