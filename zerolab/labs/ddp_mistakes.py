@@ -108,6 +108,12 @@ class AllReduceOutsideTheLedger(ReferenceDDP):
         return dist.all_reduce(buf, async_op=True)      # (torch.distributed's own, not self.comm)
 
 
+class OnlyWaitsAtTheEnd(ReferenceDDP):
+    def _finish_backward(self):
+        while self._pending:            # (a bucket that never filled is never launched)
+            self._wait_oldest()
+
+
 def _m(name, story, cls, expect):
     return Mistake(name, story, {"engine": cls}, expect)
 
@@ -132,4 +138,6 @@ MISTAKES = (
     _m("all_reduce_not_async", "all-reduced each bucket without async_op=True", AllReduceNotAsync, "not_async"),
     _m("all_reduce_outside_the_ledger", "all-reduced with torch.distributed instead of the engine's ledger",
        AllReduceOutsideTheLedger, "not_the_ledger"),
+    _m("only_waits_at_the_end", "at the end of backward waited for the buckets in flight, launching none",
+       OnlyWaitsAtTheEnd, "not_launched"),
 )

@@ -56,6 +56,16 @@ class LabNet(nn.Module):
         return self.out(self.blocks(torch.tanh(self.inp(x))))
 
 
+class LabNetWithSpare(LabNet):
+    """LabNet and a layer its forward never calls: parameters no backward reaches, as in a model
+    with an unused branch (chapter 5's first pitfall). They sort into bucket 0, which then never
+    fills."""
+
+    def __init__(self):
+        super().__init__()
+        self.spare = nn.Linear(D_IN, 1)
+
+
 def build() -> LabNet:
     """The same initial weights on every rank and in the reference."""
     torch.manual_seed(0)
