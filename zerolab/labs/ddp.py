@@ -18,13 +18,15 @@ compute when it was launched.
 
 from __future__ import annotations
 
+import torch
+
 from ..engines.ddp import DDP       # the library's engine: its seams are the reference
 from .checks import Piece, check_parity, fmt_bytes, per_step, piece_of_bucket, ring_factor
 from .engine_run import BOOKKEEPING, instrument, moved, record_run, stub
 from .lab import Check, Lab, Stop, Wrong
 from .overlap import check_handle, check_overlap
 from .plugins import GradedCode
-from .model import BUCKET_MB, OPTIMIZER, SCHEDULE, build
+from .model import BUCKET_MB, OPTIMIZER, SCHEDULE, LabNetWithSpare, build, loss_of, micro_batch
 
 SEAMS = ("_take", "_on_grad_ready", "_reduce", "_finish_backward")
 PROTOCOL = "buckets reduced when full, in order, and waited for"
@@ -104,7 +106,9 @@ class DDPLab(DDP):
         if never:
             raise Stop(PROTOCOL, "not_launched",
                        f"backward returned and bucket {never[0]} was never reduced: its gradients are "
-                       "still this rank's own.", "_finish_backward launches every bucket not launched yet.")
+                       f"still this rank's own.{getattr(self, 'probe_note', '')}",
+                       "a bucket that never fills (a parameter no backward reached) is reduced all the same, "
+                       "by _finish_backward, in order.")
         if any(h.record.end is None for h in self._handles):
             last = max(b for b, h in enumerate(self._handles) if h.record.end is None)
             raise Stop(PROTOCOL, "not_waited",
@@ -136,7 +140,20 @@ def measure(plugin) -> dict:
                       weights=lambda e: [p for p in params])
     data["buckets"] = [piece_of_bucket(f"bucket {b}", bucket, names) for b, bucket in enumerate(engine.buckets.buckets)]
     data["n_params"] = len(params)
+    _probe_unreached(plugin)
     return data
+
+
+def _probe_unreached(plugin) -> None:
+    """One more backward, after the run, on LabNetWithSpare: bucket 0 holds parameters no backward
+    reaches, so it never fills, and no bucket after it can start before backward ends. The
+    reducer must reduce them all the same (the protocol check stops the run if not)."""
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    engine = plugin["engine"](LabNetWithSpare(), OPTIMIZER, bucket_mb=BUCKET_MB)
+    engine.probe_note = (" (The grader's second model, after the run: one whose forward never calls a layer, "
+                         "spare, whose parameters sort into bucket 0, as an unused branch does.)")
+    loss_of(engine, micro_batch(0, 0, dist.get_rank(), dist.get_world_size()), 1).backward()
 
 
 # ------------------------------------------------------------------ the checks, in the parent
