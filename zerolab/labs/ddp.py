@@ -24,7 +24,7 @@ from ..engines.ddp import DDP       # the library's engine: its seams are the re
 from .checks import Piece, check_parity, fmt_bytes, per_step, piece_of_bucket, ring_factor
 from .engine_run import BOOKKEEPING, instrument, moved, record_run, stub
 from .lab import Check, Lab, Stop, Wrong
-from .overlap import check_handle, check_overlap
+from .overlap import check_handle, check_overlap, defined_at, waited_where
 from .plugins import GradedCode
 from .model import BUCKET_MB, OPTIMIZER, SCHEDULE, LabNetWithSpare, build, loss_of, micro_batch
 
@@ -72,23 +72,27 @@ class DDPLab(DDP):
         bucket = self.buckets.buckets[b]
         if not self._reducing_now:
             raise Stop(PROTOCOL, "reduced_in_no_sync",
-                       f"bucket {b} was reduced during a backward inside no_sync(), which must only "
+                       f"bucket {b} was launched{waited_where(self)} during a backward inside no_sync(), "
+                       "which must only "
                        "accumulate gradients (step 1's first micro-batch).",
                        "in _on_grad_ready, return right after _take when self._reducing_now is False.")
         if b < len(self._handles):
             raise Stop(PROTOCOL, "reduced_twice",
-                       f"bucket {b} was launched a second time in one backward: its gradients would be "
+                       f"bucket {b} was launched a second time in one backward{waited_where(self)}: its "
+                       "gradients would be "
                        "averaged twice over and sent twice.",
                        "launch each bucket once: from self._next on, never one before it.")
         if b > len(self._handles):
             raise Stop(PROTOCOL, "out_of_order",
-                       f"bucket {b} was launched when bucket {len(self._handles)} was next: every rank "
+                       f"bucket {b} was launched{waited_where(self)} when bucket {len(self._handles)} was "
+                       "next: every rank "
                        "must launch the buckets in the same order (index order), or their all-reduces "
                        "pair up wrongly and the ranks deadlock.", "launch bucket self._next, and only it.")
         missing = [p for p in bucket.params if id(p) not in self._arrived]
         if missing and not self._finishing:
             raise Stop(PROTOCOL, "launched_early",
-                       f"bucket {b} was launched while {len(missing)} of its {len(bucket.params)} "
+                       f"bucket {b} was launched{waited_where(self)} while {len(missing)} of its "
+                       f"{len(bucket.params)} "
                        "gradients had not arrived: its all-reduce would average a half-filled buffer "
                        "(and race with the copies still to come).",
                        "launch a bucket only when self._missing[b] reaches 0.")
@@ -105,14 +109,16 @@ class DDPLab(DDP):
         never = [b for b in range(len(self.buckets.buckets)) if b >= len(self._handles)]
         if never:
             raise Stop(PROTOCOL, "not_launched",
-                       f"backward returned and bucket {never[0]} was never reduced: its gradients are "
+                       f"backward returned, after your _finish_backward{defined_at(type(self)._finish_backward)}, "
+                       f"with bucket {never[0]} never reduced: its gradients are "
                        f"still this rank's own.{getattr(self, 'probe_note', '')}",
                        "a bucket that never fills (a parameter no backward reached) is reduced all the same, "
                        "by _finish_backward, in order.")
         if any(h.record.end is None for h in self._handles):
             last = max(b for b, h in enumerate(self._handles) if h.record.end is None)
             raise Stop(PROTOCOL, "not_waited",
-                       f"backward returned with the all-reduce of bucket {last} never waited for: the "
+                       f"backward returned, after your _finish_backward{defined_at(type(self)._finish_backward)}, "
+                       f"with the all-reduce of bucket {last} never waited for: the "
                        "optimizer would read a buffer gloo may still be writing.",
                        "_finish_backward waits for every pending reduction (self._wait_oldest()).")
 
@@ -151,6 +157,7 @@ def _probe_unreached(plugin) -> None:
     import torch.distributed as dist
     torch.manual_seed(0)
     engine = plugin["engine"](LabNetWithSpare(), OPTIMIZER, bucket_mb=BUCKET_MB)
+    instrument(engine, GradedCode(LAB, plugin))
     engine.probe_note = (" (The grader's second model, after the run: one whose forward never calls a layer, "
                          "spare, whose parameters sort into bucket 0, as an unused branch does.)")
     loss_of(engine, micro_batch(0, 0, dist.get_rank(), dist.get_world_size()), 1).backward()

@@ -177,11 +177,19 @@ def frames_in(graded, frame=None) -> list:
     return out
 
 
+def waited_where(engine) -> str:
+    """where() for an instrumented engine (engine_run.instrument), with a leading space; '' if the
+    engine is not instrumented or no graded code is on the stack."""
+    graded = getattr(engine, "graded", None)
+    text = where(graded._graded_code) if graded is not None else ""
+    return f" {text}" if text else ""
+
+
 def where(graded) -> str:
     """'in _reduce (lab3_ddp.py, line 40)', or 'in wait (lab6_zero3.py, line 30), called from
     gather (line 22)': the innermost frame of the graded code, and the method that called it when
     that is another method of the graded code. '' if no graded code is on the stack."""
-    frames = frames_in(graded, sys._getframe(1))
+    frames = [] if graded is None else frames_in(graded, sys._getframe(1))
     if not frames:
         return ""
     name, file, line = frames[0]
@@ -223,7 +231,7 @@ def overlapped(entries: list, ops: tuple) -> list:
 def not_async(check: str, b: int, method, name: str) -> Stop:
     """The Stop for a _reduce that returned no handle (its collective ran without async_op=True)."""
     return Stop(check, "not_async",
-                f"bucket {b}: your _reduce{_at(method)} returned None, not the handle of the {name} it started: "
+                f"bucket {b}: your _reduce{defined_at(method)} returned None, not the handle of the {name} it started: "
                 f"issued without async_op=True, the {name} ran to the end inside _reduce (backward stood "
                 "still meanwhile) and left nothing to wait for.",
                 "start the collective asynchronously and return its handle; the reducer waits for it later.")
@@ -235,13 +243,14 @@ def check_handle(check: str, b: int, handle, method, name: str) -> None:
         raise not_async(check, b, method, name)
     if not hasattr(handle, "record"):
         raise Stop(check, "not_the_ledger",
-                   f"bucket {b}: your _reduce{_at(method)} returned a {type(handle).__name__}, not a handle of "
+                   f"bucket {b}: your _reduce{defined_at(method)} returned a {type(handle).__name__}, not a handle of "
                    f"the engine's ledger: the {name} went straight to torch.distributed, where nothing counts "
                    "its bytes or notes when it was waited for.",
                    "issue every collective through self.comm, the engine's ledger: it takes the same arguments.")
 
 
-def _at(method) -> str:
+def defined_at(method) -> str:
+    """' (lab3_ddp.py, line 40)': where a method is written ('' if unknown)."""
     code = getattr(method, "__code__", None)
     return "" if code is None else f" ({os.path.basename(code.co_filename)}, line {code.co_firstlineno})"
 

@@ -20,6 +20,7 @@ from ..engines.zero1 import ZeRO1     # the library's engine: its seams are the 
 from .checks import check_collectives, check_parity, fmt_bytes, per_step, piece_of_bucket
 from .engine_run import moved, record_run, stub
 from .lab import Check, Lab, Stop, Wrong
+from .overlap import defined_at
 from .model import BUCKET_MB, OPTIMIZER, SCHEDULE, build
 
 SEAMS = ("_lay_out_masters", "_reduce", "_complete", "_publish")
@@ -55,7 +56,8 @@ class ZeRO1Lab(ZeRO1):
             mine = self.shards[b]
             if (mine.start, mine.stop) != (self.rank * size, (self.rank + 1) * size):
                 raise Stop(OWNERSHIP, "wrong_slice",
-                           f"rank {self.rank}'s slice of bucket {b} is elements {mine.start}-{mine.stop} "
+                           f"rank {self.rank}'s slice of bucket {b}, as your _lay_out_masters"
+                           f"{defined_at(type(self)._lay_out_masters)} set it, is elements {mine.start}-{mine.stop} "
                            f"of its {bucket.padded_numel} ({bucket.numel} real, "
                            f"{bucket.padded_numel - bucket.numel} of padding); with N = {self.world_size} "
                            f"each rank owns padded_numel / N = {size} elements, rank {self.rank} elements "

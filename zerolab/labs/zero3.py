@@ -34,7 +34,7 @@ from .checks import Piece, check_collectives, check_parity, fmt_bytes, per_step
 from .engine_run import instrument, moved, record_run, stub
 from .lab import Check, Lab, Stop, Wrong
 from .model import OPTIMIZER, SCHEDULE, build
-from .overlap import blocked, overlapped, where
+from .overlap import blocked, defined_at, overlapped, where
 from .plugins import GradedCode
 
 UNIT_SEAMS = ("gather", "wait", "release", "reduce_scatter", "finish_reduce")
@@ -135,21 +135,23 @@ class ZeRO3Lab(ZeRO3):
                 e.needed = at       # (overlap: the compute between a prefetch's launch and now)
         if any(e.record.end is None for e in mine):
             raise Stop(LIFECYCLE, "used_before_gathered",
-                       f"unit {u.name} was used in {phase} while its all-gather was still in flight: its "
-                       "parameters were read before they had arrived.",
+                       f"unit {u.name} was used in {phase} while its all-gather was still in flight, once your "
+                       f"wait{defined_at(type(u).wait)} had returned: its parameters were read before they had "
+                       "arrived.",
                        "wait() returns only once every all-gather of the unit has been waited for.")
         if not all(_allocated(p) for p in u.params):
             raise Stop(LIFECYCLE, "gathered_elsewhere",
-                       f"unit {u.name} was used in {phase} with its parameters' memory still freed (0 bytes): "
-                       "the parameters are views into the unit's full buffer as it was built, and the "
-                       "all-gather wrote somewhere else.",
+                       f"unit {u.name} was used in {phase} with its parameters' memory still freed (0 bytes), "
+                       f"although your gather{defined_at(type(u).gather)} and wait had run: the parameters are "
+                       "views into the unit's full buffer as it was built, and the all-gather wrote somewhere "
+                       "else.",
                        "gather into the buffers of self.full themselves, after giving each its memory back "
                        "(storage_alloc); a new tensor is not what the parameters look at.")
         if any(type(p) is not nn.Parameter for p in u.params):
             raise Stop(LIFECYCLE, "still_released",
-                       f"unit {u.name} was used in {phase} after wait() returned, but its parameters are still "
-                       "marked released: the gathered values are there, and reading them raises the error "
-                       "meant for released parameters.",
+                       f"unit {u.name} was used in {phase} after your wait{defined_at(type(u).wait)} returned, "
+                       "but its parameters are still marked released: the gathered values are there, and "
+                       "reading them raises the error meant for released parameters.",
                        "once the gather is complete, wait() makes the parameters readable again "
                        "(mark_released with False).")
 
@@ -161,9 +163,10 @@ def _checked_release(u, release):
         readable = [p for p in u.params if type(p) is nn.Parameter and not _allocated(p)]
         if readable:
             raise Stop(LIFECYCLE, "release_not_marked",
-                       f"unit {u.name} was released in {phase}: its memory is freed, but its parameters are "
-                       "not marked released, so reading one (print(p), a forward outside the engine) would "
-                       "fail with a bare out-of-bounds error, or read freed memory.",
+                       f"unit {u.name} was released in {phase} by your release{defined_at(type(u).release)}: "
+                       "its memory is freed, but its parameters are not marked released, so reading one "
+                       "(print(p), a forward outside the engine) would fail with a bare out-of-bounds error, or "
+                       "read freed memory.",
                        "release() marks the parameters released (mark_released with True) as it frees them.")
     return checked
 
@@ -211,6 +214,7 @@ def measure(plugin) -> dict:
                       after_step=lambda e, step: {"memory_after_step": e.memory_report()})
     data["units"] = [piece(u, whole=True) for u in units]
     data["probe"] = _probe_backward_prefetch(engine)
+    data["prefetch_at"] = defined_at(type(engine)._prefetch_after)
     return data
 
 
@@ -288,12 +292,12 @@ def prefetch(ranks) -> str:
 
     per_step(ranks, check)
     for d in ranks:
-        _check_probe(d["probe"], d["rank"])
+        _check_probe(d["probe"], d["rank"], d["prefetch_at"])
     return ("in forward and in backward, the next unit's all-gather was issued before the unit before it "
             "started computing; and in backward a unit whose backward was done was not gathered again")
 
 
-def _check_probe(gathered: list, rank: int) -> None:
+def _check_probe(gathered: list, rank: int, at: str) -> None:
     """The probe (_probe_backward_prefetch): with blocks.1's backward done, the unit to gather
     ahead of blocks.2 is blocks.0."""
     asked = ("(The grader asked your _prefetch_after after the run: in backward, as blocks.2 is about to "
@@ -301,14 +305,14 @@ def _check_probe(gathered: list, rank: int) -> None:
              "unit out of the forward's order.)")
     if "blocks.1" in gathered:
         raise Wrong("stale_prefetch", f"rank {rank}: in backward, as blocks.2 was about to compute, your "
-                    "_prefetch_after gathered blocks.1, whose backward was already done: a stale gathered copy. "
+                    f"_prefetch_after{at} gathered blocks.1, whose backward was already done: a stale gathered copy. "
                     "Its backward will not run again in this step, so the all-gather moves its bytes for nothing "
                     f"and holds its memory until the step. {asked}",
                     "in backward, skip the units whose backward is done (v.reduced) and gather the next ones "
                     "that still need theirs.")
     if "blocks.0" not in gathered:
         raise Wrong("prefetch_not_past_done", f"rank {rank}: in backward, as blocks.2 was about to compute and "
-                    f"blocks.1's backward was already done, your _prefetch_after gathered "
+                    f"blocks.1's backward was already done, your _prefetch_after{at} gathered "
                     f"{', '.join(gathered) or 'nothing'}: blocks.0, the next unit whose backward is still to "
                     f"run, was not gathered ahead, so its backward will wait for its all-gather. {asked}",
                     "skip the units whose backward is done, and gather the next `self.prefetch` units after "
