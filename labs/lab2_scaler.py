@@ -3,7 +3,8 @@
 Write the two methods below. The grader feeds your scaler patterns of overflows and compares the
 scale after every step with torch's GradScaler and with the rules worked out by hand; then it
 trains in fp16 on 2 ranks with zl.ZeRO(stage=1), your scaler and your check plugged in, while
-rank 1 plants an inf in a gradient that only rank 0's slice holds.
+rank 1 plants an inf in a gradient that only rank 0's slice holds. Stuck? The lab's notebook
+has hints, folded: open one at a time.
 
     python -m zerolab.labs grade scaler labs/lab2_scaler.py
 """
@@ -37,8 +38,12 @@ class MyLossScaler(ScalerLab):
 class MyPrecision(PrecisionLab):
     def unscale_and_check(self, grads):
         """grads: the fp32 gradients this rank updates (its slices under ZeRO), computed from the loss
-        multiplied by self.scaler.scale. Divide each by the scale, in place. Then return True if
-        EVERY rank's gradients are finite, False if any rank's hold an inf or a nan: check your own,
-        then agree through self.ledger (one all-reduce of a flag, op="max", group=self.group), so
-        that every rank returns the same answer and they all step, or all skip, together."""
+        multiplied by self.scaler.scale.
+
+        Must: leave each gradient divided by the scale, in place, and return True if EVERY rank's
+        gradients are finite, False if any rank's hold an inf or a nan: the same answer on every
+        rank, so that they all step, or all skip, together, although each rank sees only its own.
+
+        May use: self.scaler.scale, torch.isfinite, self.ledger (a zerolab.comm.Ledger:
+        all_reduce(tensor, op="sum" | "max" | ..., group=self.group))."""
         raise NotImplementedError("unscale_and_check")

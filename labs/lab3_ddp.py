@@ -1,9 +1,9 @@
 """Lab 3: bucketed DDP, whose buckets are all-reduced while backward is still running (chapter 5).
 
 Write the four methods of the reducer below. DDPLab is zl.DDP with them left out; its docstring
-lists what you can use (zerolab.labs.ddp.DDPLab). The grader trains a small model on 2 ranks for
+lists the state you can use (zerolab.labs.ddp.DDPLab). The grader trains a small model on 2 ranks for
 3 steps, the second of two micro-batches (the first inside no_sync()), and compares with one
-process on the global batch.
+process on the global batch. Stuck? The lab's notebook has hints, folded: open one at a time.
 
     python -m zerolab.labs grade ddp labs/lab3_ddp.py
 """
@@ -15,33 +15,45 @@ from zerolab.labs.ddp import DDPLab
 
 class MyDDP(DDPLab):
     def _take(self, p, b, i, k):
-        """p's gradient has just been accumulated in p.grad. Put it in its slot of bucket b.
+        """Called for every gradient, as soon as autograd has accumulated it in p.grad; p is the
+        i-th parameter of bucket b and the k-th overall.
 
-        p is the i-th parameter of bucket b (its slot: self.buckets.buckets[b].grad_view(i), a view
-        into the bucket's flat .grad) and the k-th overall. The step's first gradient of p arrives in
-        a tensor autograd has just made (zero_grad set p.grad to None) while the slot still holds the
-        last step's values: copy it in, and make p.grad the slot itself. A later micro-batch then
-        adds its gradient to p.grad, straight into the bucket, and there is nothing left to do."""
+        Must leave: p's gradient in its slot of bucket b (the part of the bucket's flat gradient
+        buffer that belongs to p), and p.grad being that slot, so that what the optimizer reads in
+        p.grad is what was all-reduced. A step's first gradient replaces what the slot held at the
+        last step; a later micro-batch's adds to it.
+
+        May use: self.buckets.buckets[b].grad_view(i), p's slot."""
         raise NotImplementedError("_take")
 
     def _on_grad_ready(self, p):
-        """Autograd calls this once p's gradient is accumulated; the last layer's parameters come
-        first, so bucket 0 fills first. Put the gradient in its bucket (b, i, k = self._slot[id(p)];
-        self._take). Inside no_sync() (self._reducing_now is False) that is all. Otherwise count it
-        in (self._missing[b]) and start the all-reduce of every bucket that is now full, in bucket
-        order: bucket b may start only after buckets 0 .. b-1 have (self._next is the next to start;
-        self._launch(b) starts it). Every rank must start the same all-reduces in the same order."""
+        """Autograd's hook: called once p's gradient is accumulated (the last layer's parameters
+        first, so bucket 0 fills first).
+
+        Must: put the gradient in its bucket. Outside no_sync(), start the all-reduce of each bucket
+        the moment its last gradient is in, so that it travels while backward computes the layers
+        before; every rank must start the same buckets in the same order, bucket 0 first. Inside
+        `with engine.no_sync():` gradients only accumulate: start nothing.
+
+        May use: self._slot[id(p)] -> (b, i, k); self._take; self._missing, self._next,
+        self._launch(b) and self._reducing_now (DDPLab's docstring says what each holds)."""
         raise NotImplementedError("_on_grad_ready")
 
     def _reduce(self, b):
-        """Start bucket b's all-reduce and return its handle. gloo sums, it cannot average: divide
-        the bucket's flat gradient by N first, so that the sum over ranks is the mean. Asynchronous
-        (async_op=True), so backward goes on while it travels; tag it f"bucket{b}"."""
+        """Called by self._launch(b): start averaging bucket b's flat gradient over the ranks and
+        return the collective's handle at once, without waiting: backward goes on computing while
+        the bucket travels, and the reducer waits for the handle later. Once it has been waited
+        for, the bucket's flat gradient holds the mean over the ranks.
+
+        May use: self.buckets.buckets[b].grad, self.world_size, self.comm (the ledger:
+        all_reduce(tensor, op="sum", async_op=False, tag="") returns a handle with .wait() when
+        async_op=True, and None after the collective is done otherwise)."""
         raise NotImplementedError("_reduce")
 
     def _finish_backward(self):
-        """Autograd has no work left. Start, in order, every bucket not started yet (a bucket with a
-        parameter backward never reached is never full), then wait for every all-reduce still in
-        flight (self._wait_oldest() until self._pending is empty): when backward returns, every
-        p.grad must be the mean over ranks."""
+        """Called once autograd has no work left. Must: when it returns, every bucket has been
+        all-reduced and waited for, so every p.grad is the mean over ranks. A bucket with a
+        parameter the backward never reached never fills up: it is reduced all the same, in order.
+
+        May use: self._next, self._launch(b), self._pending, self._wait_oldest()."""
         raise NotImplementedError("_finish_backward")

@@ -1,10 +1,16 @@
 """Lab 6: ZeRO-3: a unit's gather, release and reduce-scatter, with one-unit prefetch (chapter 8).
 
 Write the five methods of a unit and the engine's prefetch below. UnitLab and ZeRO3Lab are the
-library's classes with them left out; their docstrings list what you can use
+library's classes with them left out; their docstrings list the state you can use
 (zerolab.labs.zero3). WHEN each is called (the hooks around every unit's forward and backward) is
 the library's. The grader trains a small model of 3 blocks (each a unit, plus a root unit) on 2
-ranks with prefetch=1, and compares with one process on the global batch.
+ranks with prefetch=1, and compares with one process on the global batch. Stuck? The lab's
+notebook has hints, folded: open one at a time.
+
+`phase` says why a method is called: "forward" (a unit's forward, or prefetching for it),
+"backward" (a unit's backward, or prefetching for it, and the release after it), "step" (every unit
+is released before the optimizer step) or "inspect" (engine.gathered_parameters(), reading the
+full weights).
 
     python -m zerolab.labs grade zero3 labs/lab6_zero3.py
 """
@@ -16,38 +22,58 @@ from zerolab.labs.zero3 import UnitLab, ZeRO3Lab, mark_released, storage_alloc, 
 
 class MyUnit(UnitLab):
     def gather(self, phase):
-        """Start gathering the unit's full parameters; return at once. Nothing to do if it is
-        gathered, or being gathered (self.handles holds its all-gathers in flight). For each kind of
-        buffer (kind, full) in self.full.items(): give the buffer its memory back (storage_alloc(full))
-        and start an all-gather of this rank's shard, self.shard[kind], into it (async_op=True, tag
-        f"gather:{self.name}"), keeping the handle in self.handles[kind]."""
+        """Start bringing the unit's full parameters to this rank, and return at once: the unit
+        computing now goes on while they travel. Nothing to do if the unit is gathered, or a
+        gather of it is under way.
+
+        Must leave: the gather under way, with whatever wait() needs to finish it.
+
+        May use: self.full (kind -> the flat buffer the unit's parameters are views of; its
+        memory is freed while the unit is released), self.shard (kind -> this rank's shard),
+        self.handles, self.gathered, storage_alloc, self.comm.all_gather(out, in, async_op=..., tag=...)."""
         raise NotImplementedError("gather")
 
     def wait(self, phase):
-        """Return once the unit is gathered, with the seconds spent waiting (0.0 will do). If it is
-        gathered already, return at once; if nobody started gathering it, start. Wait for every
-        handle, forget them, mark the unit gathered, and let its parameters be read again
-        (mark_released(self.params, False))."""
+        """Return once the unit's parameters can be read, with the seconds spent waiting (0.0
+        will do). If nobody started gathering the unit, start.
+
+        Must leave: the unit gathered (self.gathered), no gather of it in flight, and its
+        parameters readable.
+
+        May use: self.gather, self.handles, mark_released."""
         raise NotImplementedError("wait")
 
     def release(self, phase):
-        """Free the full parameters; only this rank's shard stays. Finish a gather still in flight
-        first. If the unit is not gathered there is nothing to free. Otherwise mark its parameters
-        released (mark_released(self.params, True): reading one then raises a clear error), free
-        the memory of every full buffer (storage_free), and mark the unit not gathered."""
+        """Free the unit's full parameters: only this rank's shard stays. It may be called on a unit
+        that is not gathered, and on one whose gather is still in flight (a prefetch nobody used).
+
+        Must leave: the full buffers' memory freed, the parameters marked released (reading one
+        then raises a clear error instead of reading freed memory), the unit not gathered.
+
+        May use: self.wait, self.handles, self.gathered, storage_free, mark_released."""
         raise NotImplementedError("release")
 
     def reduce_scatter(self):
-        """The unit's backward is done and self.grad_full holds its full gradient (flat and padded;
-        None if no gradient reached the unit on this rank: reduce zeros then). Divide it by N and
-        start its reduce-scatter (async_op=True, tag f"reduce:{self.name}") into a new tensor of
-        padded_numel / N elements; keep (handle, output) in self._rs."""
+        """The unit's backward is done: self.grad_full holds its full gradient (flat and padded;
+        None if no gradient reached the unit on this rank, which then contributes zeros). Start the
+        reduction that leaves this rank, once it is waited for, with the mean over the ranks of
+        its shard of that gradient, and return at once: backward goes on meanwhile.
+
+        Must leave: in self._rs, what finish_reduce needs to finish it.
+
+        May use: self.grad_full, self.buckets["train"] (.padded_numel, .world_size),
+        self.comm.reduce_scatter(out, in, async_op=..., tag=...)."""
         raise NotImplementedError("reduce_scatter")
 
     def finish_reduce(self):
-        """Wait for the reduce-scatter in self._rs. Its output is this rank's gradient shard: keep
-        it (self.grad_shard) the first time since zero_grad, add it in fp32 for a later micro-batch.
-        Then drop the full gradient (self.grad_full = None) and clear self._rs."""
+        """Called a unit later (or at the end of backward). Finish the reduction started by
+        reduce_scatter.
+
+        Must leave: self.grad_shard holding this rank's shard of the step's gradient: the first
+        micro-batch's result since zero_grad, plus each later one's, added in fp32; the full
+        gradient dropped (self.grad_full = None) and self._rs cleared.
+
+        May use: self._rs, self.grad_shard."""
         raise NotImplementedError("finish_reduce")
 
 
@@ -55,9 +81,13 @@ class MyZeRO3(ZeRO3Lab):
     unit_class = MyUnit
 
     def _prefetch_after(self, order, u, phase):
-        """Unit u is about to compute. `order` lists the units in the order this phase needs them
-        (forward: the last forward's order; backward: the reverse of the order in which their
-        forwards ENDED). Start gathering the self.prefetch units that come after u in `order`
-        (v.gather(phase) returns at once), skipping in backward the units whose backward is already
-        done (v.reduced). Nothing to do if self.prefetch is 0 or u is not in `order`."""
+        """Unit u is about to compute. Start gathering the units needed after it, so that their
+        parameters travel while u computes: self.prefetch of them (1 here). `order` lists the
+        units in the order this phase needs them (forward: the last forward's order; backward: the
+        reverse of the order in which their forwards ENDED). In backward, a unit whose backward is
+        already done will not be needed again in this step. Nothing to do if self.prefetch is 0 or
+        u is not in `order`.
+
+        May use: order, self.prefetch, v.gather(phase) (returns at once), v.reduced (True once v's
+        backward is done in this step)."""
         raise NotImplementedError("_prefetch_after")

@@ -4,9 +4,11 @@
     python scripts/screenshots.py --out /tmp/shots chapters/05_ddp.html
 
 Serves the built site on 127.0.0.1 (a free port; nothing leaves the machine) and photographs the
-intro, every chapter and the back matter with headless Chromium (Debian: apt-get install chromium),
-1280 pixels wide, after MathJax has typeset the page. Each page gives NAME.png (the whole page) and
-NAME-1.png, NAME-2.png, ... (the same page cut into screen-sized parts, easier to read one by one).
+intro, every chapter, the labs and the back matter with headless Chromium (Debian: apt-get install
+chromium), 1280 pixels wide, after MathJax has typeset the page. Each page gives NAME.png (the whole
+page) and NAME-1.png, NAME-2.png, ... (the same page cut into screen-sized parts, easier to read one
+by one). NAME is the page's file name for a chapter or the back matter (05_ddp, glossary), and
+prefixed with its folder for the labs (labs-index, labs-03_ddp).
 
 Chromium takes a screenshot of its window only, so each page is loaded twice: once to measure its
 height (a small script, added to the served copy only, writes it into the title), once in a window
@@ -104,13 +106,22 @@ def photograph(url: str, stem: Path) -> tuple[int, int]:
 
 def default_pages(site: Path) -> list[str]:
     chapters = sorted(str(p.relative_to(site)) for p in (site / "chapters").glob("*.html"))
+    # the labs' index first, then the labs in their order
+    labs = sorted((str(p.relative_to(site)) for p in (site / "labs").glob("*.html")),
+                  key=lambda page: (not page.endswith("/index.html"), page))
     back = [name for name in ("notation.html", "glossary.html", "references.html") if (site / name).exists()]
-    return ["intro.html" if (site / "intro.html").exists() else "index.html", *chapters, *back]
+    return ["intro.html" if (site / "intro.html").exists() else "index.html", *chapters, *labs, *back]
+
+
+def stem(page: str) -> str:
+    """The PNGs' name for a page: its file name, prefixed with its folder unless it is a chapter."""
+    parts = Path(page).with_suffix("").parts
+    return parts[-1] if len(parts) == 1 or parts[0] == "chapters" else "-".join(parts)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("pages", nargs="*", help="pages relative to the site (default: intro, chapters, back matter)")
+    ap.add_argument("pages", nargs="*", help="pages relative to the site (default: intro, chapters, labs, back matter)")
     ap.add_argument("--site", default="_build/html", help="the built book (default: %(default)s)")
     ap.add_argument("--out", default="_build/screenshots", help="where the PNGs go (default: %(default)s)")
     args = ap.parse_args(argv)
@@ -123,8 +134,8 @@ def main(argv=None) -> int:
     try:
         for page in args.pages or default_pages(site):
             url = f"http://127.0.0.1:{server.server_address[1]}/{page}"
-            height, parts = photograph(url, out / Path(page).with_suffix("").name)
-            print(f"{page}: {height} px, {parts} parts -> {out / Path(page).with_suffix('.png').name}")
+            height, parts = photograph(url, out / stem(page))
+            print(f"{page}: {height} px, {parts} parts -> {out / (stem(page) + '.png')}")
     finally:
         server.shutdown()
     return 0

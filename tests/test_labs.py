@@ -7,6 +7,7 @@ every lab's reference, every planted mistake, the untouched stub files of labs/,
 files written here (one that crashes, one that does not import). The tests read its reports.
 """
 
+import inspect
 import os
 import textwrap
 
@@ -29,6 +30,28 @@ CRASHING = textwrap.dedent('''
 ''')
 
 
+EMPTY = textwrap.dedent('''
+    from zerolab.labs.ddp import DDPLab
+
+
+    class MyDDP(DDPLab):
+        pass
+''')
+NO_FLAT_MASTERS = textwrap.dedent('''
+    from zerolab.labs.zero1 import ReferenceZeRO1
+
+
+    class MyZeRO1(ReferenceZeRO1):
+        def _lay_out_masters(self):
+            n, r = self.world_size, self.rank
+            self.shards = [slice(r * b.padded_numel // n, (r + 1) * b.padded_numel // n)
+                           for b in self.buckets.buckets]
+            self.buckets.bind_params()
+            self.master_shards = [b.data[s] for b, s in zip(self.buckets.buckets, self.shards)]
+            self._out = {}      # (self.flat_masters and self.masters never set)
+''')
+
+
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> dict:
     """{(lab, kind, name): Report} for every case, graded once for the whole module."""
@@ -39,13 +62,19 @@ def reports(tmp_path_factory) -> dict:
         f.write(CRASHING)
     with open(broken, "w") as f:
         f.write("class MyDDP(:\n")
+    students = {"empty_ddp.py": EMPTY, "no_flat_masters.py": NO_FLAT_MASTERS}
+    for name, text in students.items():
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write(text)
     cases = []
     for name in LABS:
         lab = load_lab(name)
         cases.append((name, ("reference", None)))
         cases += [(name, ("mistake", m.name)) for m in lab.mistakes]
         cases.append((name, ("file", os.path.join(LABS_DIR, lab.stub_file))))
-    cases += [("ddp", ("file", crashing)), ("ddp", ("file", broken))]
+    cases += [("ddp", ("file", crashing)), ("ddp", ("file", broken)),
+              ("ddp", ("file", os.path.join(tmp, "empty_ddp.py"))),
+              ("zero1", ("file", os.path.join(tmp, "no_flat_masters.py")))]
     reports = grade_cases(cases)
     return {(name, spec[0], spec[1] if spec[0] != "file" else os.path.basename(spec[1])): report
             for (name, spec), report in zip(cases, reports)}
@@ -91,6 +120,40 @@ def test_a_crash_names_the_rank_the_exception_and_the_students_line(reports):
     assert first.key == "crash"
     assert first.line.startswith("rank 0 raised ValueError in _reduce (crashing_ddp.py, line ")
     assert "a bug in the student's _reduce" in first.line
+
+
+def test_an_empty_class_is_reported_as_the_method_it_lacks_not_the_graders_placeholder(reports):
+    first = reports[("ddp", "file", "empty_ddp.py")].first_failure
+    assert first.key == "stub", first.line
+    assert first.line.startswith("rank 0: _on_grad_ready is not written yet: MyDDP (empty_ddp.py, line 5) "
+                                 "does not define it"), first.line
+    assert "engine_run" not in first.line and "add a method _on_grad_ready to MyDDP" in first.hint
+
+
+def test_an_error_the_library_raises_outside_the_students_methods_names_no_library_line(reports):
+    """The student's _lay_out_masters returned without setting flat_masters: the AttributeError is
+    raised by the library's step, where no line of the student's file runs. The report says so and
+    names no file of the library (which students are not asked to read)."""
+    first = reports[("zero1", "file", "no_flat_masters.py")].first_failure
+    assert first.key == "crash", first.line
+    assert first.line.startswith("rank 0 raised AttributeError outside your methods"), first.line
+    assert "flat_masters" in first.line and ".py, line" not in first.line, first.line
+
+
+@pytest.mark.parametrize("name, mistake, method", [("ddp", "waits_in_reduce", "_reduce"),
+                                                  ("zero2", "waits_in_reduce", "_reduce"),
+                                                  ("zero3", "gathers_in_place", "gather"),
+                                                  ("zero3", "waits_in_reduce_scatter", "reduce_scatter")])
+def test_a_wait_in_place_is_named_by_the_line_that_waited(reports, name, mistake, method):
+    """Overlap graded as overlap: a collective waited for where it was started fails, and the
+    report names the method and the very line of the wait (here in the planted mistake's module)."""
+    planted = load_lab(name).mistake(mistake)
+    cls = next(iter(planted.plugin.values()))
+    source, start = inspect.getsourcelines(vars(cls)[method])
+    line = start + next(i for i, text in enumerate(source) if ".wait()" in text)
+    first = reports[(name, "mistake", mistake)].first_failure
+    assert f"in {method} ({os.path.basename(inspect.getsourcefile(cls))}, line {line})" in first.line, first.line
+    assert "none of them" in first.line and "async_op=True" in first.hint
 
 
 def test_a_file_that_does_not_import_is_reported_without_starting_ranks(reports):

@@ -10,10 +10,12 @@ own, runs it on 2 or 3 gloo ranks on a tiny model, and checks, in order:
     parity        the gradients and weights of ONE process trained on the global batch
     bytes         the ledger's bytes per step against the closed form (ring counts, 2 Psi, 3 Psi)
     memory        what a rank holds against the chapter's formula
-    overlap       communication started before backward (or the next unit's compute) needed it
+    overlap       compute ran while the collectives were in flight (zerolab.labs.overlap: counted
+                  in events, not seconds)
 
 and explains the FIRST failure in the chapter's words: the rank, the bucket or unit, the step,
-what was expected and what was seen, and the section to re-read.
+what was expected and what was seen, the method and line of the graded file it comes from, and the
+section to re-read.
 
     python -m zerolab.labs list
     python -m zerolab.labs grade ddp labs/lab3_ddp.py

@@ -10,16 +10,23 @@ describes; the rest of the engine (buckets, the step on flat buffers, no_sync) i
 
 DDPLab is zl.DDP with those four left to write, and with the grader's instruments: it notes which
 gradients have arrived, and stops the run the moment a bucket is reduced before it is full, out of
-order or inside no_sync, or when backward returns with a reduction still in flight.
+order or inside no_sync, when _reduce returns no handle, or when backward returns with a reduction
+still in flight. Overlap is graded by zerolab.labs.overlap's rule: each bucket's all-reduce must be
+in flight while at least one autograd node of backward starts, unless backward had nothing left to
+compute when it was launched.
 """
 
 from __future__ import annotations
 
+import torch
+
 from ..engines.ddp import DDP       # the library's engine: its seams are the reference
 from .checks import Piece, check_parity, fmt_bytes, per_step, piece_of_bucket, ring_factor
-from .engine_run import moved, record_run, stub
+from .engine_run import BOOKKEEPING, instrument, moved, record_run, stub
 from .lab import Check, Lab, Stop, Wrong
-from .model import BUCKET_MB, OPTIMIZER, SCHEDULE, build
+from .overlap import check_handle, check_overlap, defined_at, waited_where
+from .plugins import GradedCode
+from .model import BUCKET_MB, OPTIMIZER, SCHEDULE, LabNetWithSpare, build, loss_of, micro_batch
 
 SEAMS = ("_take", "_on_grad_ready", "_reduce", "_finish_backward")
 PROTOCOL = "buckets reduced when full, in order, and waited for"
@@ -40,7 +47,8 @@ class DDPLab(DDP):
     self._pending             [(bucket, handle)] launched and not yet waited for, oldest first
     self._wait_oldest()       waits for the oldest pending reduction (handle.wait())
     self._reducing_now        False inside `with engine.no_sync():` (gradients only accumulate)
-    self.comm                 the ledger: self.comm.all_reduce(t, async_op=True, tag=...) -> handle
+    self.comm                 the ledger (zerolab.comm.Ledger): all_reduce(tensor, op="sum",
+                              async_op=False, tag=""): a handle with .wait() if async_op, else None
     self.world_size           N
     """
 
@@ -64,28 +72,34 @@ class DDPLab(DDP):
         bucket = self.buckets.buckets[b]
         if not self._reducing_now:
             raise Stop(PROTOCOL, "reduced_in_no_sync",
-                       f"bucket {b} was reduced during a backward inside no_sync(), which must only "
+                       f"bucket {b} was launched{waited_where(self)} during a backward inside no_sync(), "
+                       "which must only "
                        "accumulate gradients (step 1's first micro-batch).",
                        "in _on_grad_ready, return right after _take when self._reducing_now is False.")
         if b < len(self._handles):
             raise Stop(PROTOCOL, "reduced_twice",
-                       f"bucket {b} was launched a second time in one backward: its gradients would be "
+                       f"bucket {b} was launched a second time in one backward{waited_where(self)}: its "
+                       "gradients would be "
                        "averaged twice over and sent twice.",
                        "launch each bucket once: from self._next on, never one before it.")
         if b > len(self._handles):
             raise Stop(PROTOCOL, "out_of_order",
-                       f"bucket {b} was launched when bucket {len(self._handles)} was next: every rank "
+                       f"bucket {b} was launched{waited_where(self)} when bucket {len(self._handles)} was "
+                       "next: every rank "
                        "must launch the buckets in the same order (index order), or their all-reduces "
                        "pair up wrongly and the ranks deadlock.", "launch bucket self._next, and only it.")
         missing = [p for p in bucket.params if id(p) not in self._arrived]
         if missing and not self._finishing:
             raise Stop(PROTOCOL, "launched_early",
-                       f"bucket {b} was launched while {len(missing)} of its {len(bucket.params)} "
+                       f"bucket {b} was launched{waited_where(self)} while {len(missing)} of its "
+                       f"{len(bucket.params)} "
                        "gradients had not arrived: its all-reduce would average a half-filled buffer "
                        "(and race with the copies still to come).",
                        "launch a bucket only when self._missing[b] reaches 0.")
         super()._launch(b)
-        self._handles.append(self._pending[-1][1])
+        handle = self._pending[-1][1]
+        check_handle(PROTOCOL, b, handle, type(self)._reduce, "all-reduce")
+        self._handles.append(handle)
 
     def _end_backward(self):
         self._finishing = True
@@ -95,12 +109,16 @@ class DDPLab(DDP):
         never = [b for b in range(len(self.buckets.buckets)) if b >= len(self._handles)]
         if never:
             raise Stop(PROTOCOL, "not_launched",
-                       f"backward returned and bucket {never[0]} was never reduced: its gradients are "
-                       "still this rank's own.", "_finish_backward launches every bucket not launched yet.")
+                       f"backward returned, after your _finish_backward{defined_at(type(self)._finish_backward)}, "
+                       f"with bucket {never[0]} never reduced: its gradients are "
+                       f"still this rank's own.{getattr(self, 'probe_note', '')}",
+                       "a bucket that never fills (a parameter no backward reached) is reduced all the same, "
+                       "by _finish_backward, in order.")
         if any(h.record.end is None for h in self._handles):
             last = max(b for b, h in enumerate(self._handles) if h.record.end is None)
             raise Stop(PROTOCOL, "not_waited",
-                       f"backward returned with the all-reduce of bucket {last} never waited for: the "
+                       f"backward returned, after your _finish_backward{defined_at(type(self)._finish_backward)}, "
+                       f"with the all-reduce of bucket {last} never waited for: the "
                        "optimizer would read a buffer gloo may still be writing.",
                        "_finish_backward waits for every pending reduction (self._wait_oldest()).")
 
@@ -119,6 +137,7 @@ def measure(plugin) -> dict:
     model = build()
     names = {id(p): name for name, p in model.named_parameters()}
     engine = plugin["engine"](model, OPTIMIZER, bucket_mb=BUCKET_MB)
+    instrument(engine, GradedCode(LAB, plugin))
     # one piece per parameter: p.grad is what a PyTorch script reads
     pieces = [Piece(f"bucket {b}", [(names[id(p)], 0, p.numel())], p.numel())
               for b, bucket in enumerate(engine.buckets.buckets) for p in bucket.params]
@@ -127,7 +146,21 @@ def measure(plugin) -> dict:
                       weights=lambda e: [p for p in params])
     data["buckets"] = [piece_of_bucket(f"bucket {b}", bucket, names) for b, bucket in enumerate(engine.buckets.buckets)]
     data["n_params"] = len(params)
+    _probe_unreached(plugin)
     return data
+
+
+def _probe_unreached(plugin) -> None:
+    """One more backward, after the run, on LabNetWithSpare: bucket 0 holds parameters no backward
+    reaches, so it never fills, and no bucket after it can start before backward ends. The
+    reducer must reduce them all the same (the protocol check stops the run if not)."""
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    engine = plugin["engine"](LabNetWithSpare(), OPTIMIZER, bucket_mb=BUCKET_MB)
+    instrument(engine, GradedCode(LAB, plugin))
+    engine.probe_note = (" (The grader's second model, after the run: one whose forward never calls a layer, "
+                         "spare, whose parameters sort into bucket 0, as an unused branch does.)")
+    loss_of(engine, micro_batch(0, 0, dist.get_rank(), dist.get_world_size()), 1).backward()
 
 
 # ------------------------------------------------------------------ the checks, in the parent
@@ -166,16 +199,8 @@ def bytes_per_step(ranks) -> str:
 
 
 def overlap(ranks) -> str:
-    def check(step, d, s):
-        starts = [start for op, tag, numel, sent, start, end in s["records"] if op == "all_reduce"]
-        if not starts or min(starts) >= s["compute_end"]:
-            raise Wrong("no_overlap", f"step {step}, rank {d['rank']}: no bucket's all-reduce started before "
-                        "backward's compute ended: they all waited for the end of backward, so nothing "
-                        "overlapped.", "launch each bucket from _on_grad_ready as soon as its last gradient is "
-                        "in (and every bucket before it has been launched).")
-
-    per_step(ranks, check)
-    return "in every step the first bucket's all-reduce started while backward was still computing"
+    return check_overlap(ranks, "all_reduce", "all-reduce", "wait for it once backward has no work left "
+                         "(_finish_backward), or in a later hook for a bucket already done")
 
 
 LAB = Lab(
@@ -186,7 +211,7 @@ LAB = Lab(
             Check("parity with one process on the global batch", parity, 'chapter 5, "The idea"'),
             Check("bytes per step against 2(N-1)/N Psi", bytes_per_step,
                   'chapter 5, "Bytes per step: measured vs the paper\'s 2 Psi"'),
-            Check("overlap: buckets launched during backward", overlap,
+            Check("overlap: backward computes while buckets are all-reduced", overlap,
                   'chapter 5, "Naive vs bucketed vs overlapped: the timeline"')),
     mistakes_module="zerolab.labs.ddp_mistakes",
 )

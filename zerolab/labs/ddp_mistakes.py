@@ -3,6 +3,9 @@ write it. Each must fail the grader with the failure named in `expect`."""
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
+
 from .ddp import ReferenceDDP
 from .lab import Mistake
 
@@ -78,6 +81,39 @@ class ReducesInNoSync(ReferenceDDP):
             self._launch(self._next)
 
 
+class WaitsInReduce(ReferenceDDP):
+    def _reduce(self, b):
+        handle = super()._reduce(b)
+        handle.wait()                   # (backward stands still while the bucket travels)
+        return handle
+
+
+class AllReduceNotAsync(ReferenceDDP):
+    def _reduce(self, b):
+        bucket, buf = self.buckets.buckets[b], self._flats[b]
+        self._ready_to_reduce(b, bucket.grad)
+        if b == len(self._flats) - 1:
+            self._held = [p.grad is v for p, v in zip(self.params, self._grad_views)]
+            buf[bucket.padded_numel:] = torch.tensor(self._held, dtype=buf.dtype)
+        return self.comm.all_reduce(buf, tag=f"bucket{b}")     # (no async_op=True: returns None, done)
+
+
+class AllReduceOutsideTheLedger(ReferenceDDP):
+    def _reduce(self, b):
+        bucket, buf = self.buckets.buckets[b], self._flats[b]
+        self._ready_to_reduce(b, bucket.grad)
+        if b == len(self._flats) - 1:
+            self._held = [p.grad is v for p, v in zip(self.params, self._grad_views)]
+            buf[bucket.padded_numel:] = torch.tensor(self._held, dtype=buf.dtype)
+        return dist.all_reduce(buf, async_op=True)      # (torch.distributed's own, not self.comm)
+
+
+class OnlyWaitsAtTheEnd(ReferenceDDP):
+    def _finish_backward(self):
+        while self._pending:            # (a bucket that never filled is never launched)
+            self._wait_oldest()
+
+
 def _m(name, story, cls, expect):
     return Mistake(name, story, {"engine": cls}, expect)
 
@@ -97,4 +133,11 @@ MISTAKES = (
        OneAllReducePerGradient, "per_parameter"),
     _m("reduces_in_no_sync", "reduced the buckets inside no_sync() too", ReducesInNoSync,
        "reduced_in_no_sync"),
+    _m("waits_in_reduce", "waited for each bucket's all-reduce inside _reduce, right after starting it",
+       WaitsInReduce, "blocking_reduce"),
+    _m("all_reduce_not_async", "all-reduced each bucket without async_op=True", AllReduceNotAsync, "not_async"),
+    _m("all_reduce_outside_the_ledger", "all-reduced with torch.distributed instead of the engine's ledger",
+       AllReduceOutsideTheLedger, "not_the_ledger"),
+    _m("only_waits_at_the_end", "at the end of backward waited for the buckets in flight, launching none",
+       OnlyWaitsAtTheEnd, "not_launched"),
 )

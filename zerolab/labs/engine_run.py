@@ -5,6 +5,10 @@ on this rank: after each step's backward, the gradient this rank holds for each 
 reads it) and when backward's compute ended; after each step, the weights and the ledger's
 records of the step. The single-process reference for this rank comes along (model.reference),
 so the checks in the parent compare without running anything.
+
+`instrument(engine, graded_code)` puts a GradedLedger (zerolab.labs.overlap) between the engine and its
+ledger, and a ComputeClock on its model: record_run then also keeps, for every collective of a step,
+the compute that ran while it was in flight (the labs whose idea is overlap: 3, 5 and 6).
 """
 
 from __future__ import annotations
@@ -12,18 +16,47 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from .model import SCHEDULE, reference, train
+from .overlap import ComputeClock, GradedLedger
 
 # collectives the library runs for its own bookkeeping, not to move gradients or parameters
 BOOKKEEPING = {"used", "check", "overflow", "grad_norm", "setup", "buffers", "state"}
 
 
-def record_run(engine, pieces, held, weights, backward=None, after_backward=None, after_step=None) -> dict:
+def instrument(engine, graded_code, replace_comm: bool = True) -> GradedLedger:
+    """A ComputeClock on the engine's model and a GradedLedger on its ledger (as engine.comm, unless
+    replace_comm=False: ZeRO-3 gives each unit its own view instead); graded_code: a
+    zerolab.labs.plugins.GradedCode."""
+    clock = ComputeClock()
+    clock.watch_forward(engine.module)
+    graded = GradedLedger(engine.comm, clock, graded_code)
+    if replace_comm:
+        engine.comm = graded
+    engine.graded = graded
+    return graded
+
+
+def record_run(engine, pieces, held, weights, after_backward=None, after_step=None) -> dict:
     """Train and measure (see the module docstring). held(engine) -> [flat tensor per piece];
     weights(engine) -> [flat weights per piece]; after_backward(engine, step) and
-    after_step(engine, step) -> dicts of what else a lab measures then."""
+    after_step(engine, step) -> dicts of what else a lab measures then. If the engine was
+    instrumented, each step also keeps "entries": its collectives' Entry rows (zerolab.labs.overlap)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     steps = []
     mark = len(engine.comm.records)
+    graded = getattr(engine, "graded", None)
+    seen = 0
+
+    def backward(loss):
+        if graded is None:
+            loss.backward()
+            return
+        clock = graded.clock
+        with clock.during("backward"):
+            clock.watch_backward(loss)
+            loss.backward()
+        for e in graded.entries:        # a reduction is needed by the end of its backward
+            if e.needed is None and e.phase is not None:
+                e.needed = clock.count
 
     def on_backward(step):
         steps.append({"held": [None if g is None else g.detach().float().clone() for g in held(engine)],
@@ -31,15 +64,18 @@ def record_run(engine, pieces, held, weights, backward=None, after_backward=None
                       **(after_backward(engine, step) if after_backward else {})})
 
     def on_step(step):
-        nonlocal mark
+        nonlocal mark, seen
         steps[-1]["records"] = [(r.op, r.tag, r.numel, r.bytes_sent, r.start, r.end)
                                 for r in engine.comm.records[mark:]]
+        if graded is not None:
+            steps[-1]["entries"] = [e.row() for e in graded.entries[seen:]]
         # (reading the weights may communicate: ZeRO-3 gathers them; that is not the step's traffic)
         steps[-1]["weights"] = [w.detach().float().clone() for w in weights(engine)]
         steps[-1].update(after_step(engine, step) if after_step else {})
         mark = len(engine.comm.records)
+        seen = len(graded.entries) if graded is not None else 0
 
-    train(engine, on_backward, on_step, backward)
+    train(engine, on_backward, on_step, backward, clock=None if graded is None else graded.clock)
     return {"rank": rank, "n": n, "pieces": pieces, "steps": steps, "ref": reference(rank, n)}
 
 
@@ -56,10 +92,19 @@ def candidates(ref: dict, step: int) -> dict:
             "previous": ref["expected"][step - 1] if step > 0 else None}
 
 
+class StubCalled(NotImplementedError):
+    """A blank seam ran: the student's class does not define `method` (zerolab.labs.worker names
+    the class and its line, not this file)."""
+
+    def __init__(self, lab: str, role_class: str, method: str):
+        super().__init__(f"{role_class}.{method} is yours to write ({lab})")
+        self.role_class, self.method = role_class, method
+
+
 def stub(lab: str, role_class: str, method: str):
     """A seam's body before the student writes it."""
     def missing(self, *args, **kwargs):
-        raise NotImplementedError(f"{role_class}.{method} is yours to write ({lab})")
+        raise StubCalled(lab, role_class, method)
     missing.__name__ = method
     missing.__qualname__ = f"{role_class}.{method}"
     return missing

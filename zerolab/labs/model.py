@@ -56,6 +56,16 @@ class LabNet(nn.Module):
         return self.out(self.blocks(torch.tanh(self.inp(x))))
 
 
+class LabNetWithSpare(LabNet):
+    """LabNet and a layer its forward never calls: parameters no backward reaches, as in a model
+    with an unused branch (chapter 5's first pitfall). They sort into bucket 0, which then never
+    fills."""
+
+    def __init__(self):
+        super().__init__()
+        self.spare = nn.Linear(D_IN, 1)
+
+
 def build() -> LabNet:
     """The same initial weights on every rank and in the reference."""
     torch.manual_seed(0)
@@ -86,15 +96,17 @@ def loss_of(model, batch, micros: int):
     return F.mse_loss(out.to(dtype), y.to(dtype)) / micros
 
 
-def train(engine, after_backward=None, after_step=None, backward=None) -> None:
+def train(engine, after_backward=None, after_step=None, backward=None, clock=None) -> None:
     """The PyTorch loop on an engine, SCHEDULE's steps on this rank's rows: all but a step's last
     micro-batch inside no_sync(). after_backward(step) runs after each step's last backward,
-    after_step(step) after its optimizer step. backward(loss) replaces loss.backward()."""
+    after_step(step) after its optimizer step. backward(loss) replaces loss.backward(). clock (a
+    zerolab.labs.overlap.ComputeClock) is told when a forward runs."""
     import torch.distributed as dist
     rank, n = dist.get_rank(), dist.get_world_size()
     for step, micros in enumerate(SCHEDULE):
         for m in range(micros):
-            loss = loss_of(engine, micro_batch(step, m, rank, n), micros)
+            with clock.during("forward") if clock is not None else contextlib.nullcontext():
+                loss = loss_of(engine, micro_batch(step, m, rank, n), micros)
             last = m == micros - 1
             with engine.no_sync() if not last else contextlib.nullcontext():
                 (backward or torch.Tensor.backward)(loss)

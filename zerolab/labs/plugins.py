@@ -56,3 +56,47 @@ def from_file(lab, path: str) -> dict:
         plugin[role] = found[0]
     return plugin
 
+
+
+class GradedCode:
+    """Which frames are the graded code's: every line of a student's file, and the methods (or
+    functions) the plugin puts in place of the lab's blanks (a planted mistake's, and the
+    library's own for the reference). A message points at such a frame, never at the grader's
+    or the rest of the library's."""
+
+    def __init__(self, lab, plugin: dict):
+        library = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))     # zerolab/
+        self.codes, self.files = set(), set()
+        for role, obj in plugin.items():
+            blank = lab.roles.get(role)
+            if blank is None:
+                found = [obj]
+            else:
+                found = []
+                for cls in obj.__mro__:
+                    if cls is blank or not issubclass(cls, blank):
+                        break
+                    found += list(vars(cls).values())
+            for value in found:
+                code = getattr(value, "__code__", None) or getattr(getattr(value, "__func__", None), "__code__", None)
+                if code is not None:
+                    self.codes.add(code)
+                    if not os.path.abspath(code.co_filename).startswith(library + os.sep):
+                        self.files.add(code.co_filename)
+
+    def __contains__(self, code) -> bool:
+        return code in self.codes or code.co_filename in self.files
+
+
+def class_line(plugin: dict, role_class: str) -> str:
+    """'MyDDP (lab3_ddp.py, line 16)': the graded class that subclasses the blank named
+    role_class, where it is written ('' if none)."""
+    import inspect
+    for obj in plugin.values():
+        if isinstance(obj, type) and any(c.__name__ == role_class for c in obj.__mro__[1:]):
+            try:
+                return f"{obj.__name__} ({os.path.basename(inspect.getsourcefile(obj))}, line " \
+                       f"{inspect.getsourcelines(obj)[1]})"
+            except (OSError, TypeError):
+                return obj.__name__
+    return ""

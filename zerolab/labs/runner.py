@@ -202,6 +202,11 @@ def _run_failure(ranks: list):
     hung = [(r, e) for r, e in errors if e["hang"]]
     r, e = (own or hung or errors)[0]
     where = f" in {e['where']}" if e["where"] else ""
+    if e.get("unwritten"):
+        method, cls = e["unwritten"]
+        return ("stub", f"rank {r}: {method} is not written yet: {cls or 'your class'} does not define it, "
+                        f"so the lab's blank {method} ran (it raises NotImplementedError).",
+                f"add a method {method} to {cls.split(' (')[0] or 'your class'}, as the stub file's docstring for it says.")
     if e["stub"]:
         return ("stub", f"rank {r}: {e['where'] or 'a seam'} is still a stub (it raises NotImplementedError).",
                 "write it, as its docstring says.")
@@ -209,5 +214,10 @@ def _run_failure(ranks: list):
         return ("hang", f"rank {r} hung{where}: {e['message']}",
                 "every rank must issue the same collectives (and sends and receives) in the same "
                 "order; a rank that waits for a message nobody sends hangs.")
+    if not e["where"]:
+        return ("crash", f"rank {r} raised {e['type']} outside your methods, in the library as it used what "
+                         f"they had left: {e['message']}",
+                "none of your lines was running when it was raised: the library failed on something your "
+                "methods left, or did not set; compare what each leaves with its docstring.")
     return ("crash", f"rank {r} raised {e['type']}{where}: {e['message']}",
             "look at the line it names; the stubs' docstrings say what each method is given and must leave.")

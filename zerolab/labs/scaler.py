@@ -65,8 +65,8 @@ class ScalerLab(LossScaler):
 
 class PrecisionLab(MixedPrecision):
     """zerolab.precision.MixedPrecision with unscale_and_check() left to write. What you can use:
-    self.scaler (your loss scaler: .scale), self.ledger (the engine's: all_reduce(t, op="max")),
-    self.group (pass it on to the ledger)."""
+    self.scaler (your loss scaler: .scale), self.ledger (the engine's zerolab.comm.Ledger:
+    all_reduce(tensor, op="sum" | "max" | "min", group=...)), self.group (pass it on to the ledger)."""
 
 
 ScalerLab.update = stub("lab 2", "ScalerLab", "update")

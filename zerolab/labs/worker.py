@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from .. import comm, watchdog
+from .engine_run import StubCalled
 from .lab import LABS, Stop
-from .plugins import FileProblem, for_spec
+from .plugins import FileProblem, GradedCode, class_line, for_spec
 
 
 def load_lab(name: str):
@@ -41,44 +42,43 @@ def run_cases(cases: list, timeouts: list) -> list:
     for i, ((lab_name, spec), timeout) in enumerate(zip(cases, timeouts)):
         lab = load_lab(lab_name)
         os.environ[comm.TIMEOUT_ENV] = f"{timeout:g}"      # Ledgers made from now on wait this long
-        path = spec[1] if spec[0] == "file" else None
+        plugin = None
         try:
-            results.append({"data": lab.measure(for_spec(lab, spec)), "error": None})
+            plugin = for_spec(lab, spec)
+            results.append({"data": lab.measure(plugin), "error": None})
         except Exception as exc:    # noqa: BLE001 - everything the graded code raises is reported
-            results.append({"data": None, "error": describe(exc, path)})
+            results.append({"data": None, "error": describe(exc, lab, plugin)})
         if not _still_in_step(i, timeout):
             results += [{"data": None, "error": None, "not_run": True}] * (len(cases) - i - 1)
             break
     return results
 
 
-def describe(exc: BaseException, path: str | None) -> dict:
-    """What the parent needs to explain a failure."""
+def describe(exc: BaseException, lab, plugin: dict | None) -> dict:
+    """What the parent needs to explain a failure: the exception, and where in the GRADED code
+    (the student's file, or a planted mistake) it was raised; never a line of the grader's or
+    the library's own, which the student did not write."""
     if isinstance(exc, Stop):
         return {"stop": (exc.check, exc.key, exc.what, exc.hint)}
     if isinstance(exc, FileProblem):
         return {"file": str(exc)}
-    frame = _blame(exc, path)
     message = str(exc).strip()
     if isinstance(exc, comm.CollectiveError):
         # the watchdog's words without the process-wide collective count and the backend's own text
         message = re.sub(r" \(collective #\d+ of rank \d+\)", "", message)
         message = re.sub(r" \[.*\]$", "", message, flags=re.S)
-    return {"type": type(exc).__name__, "message": message,
-            "where": None if frame is None else f"{frame.name} ({os.path.basename(frame.filename)}, "
-                                                  f"line {frame.lineno})",
+    graded = GradedCode(lab, plugin) if plugin else None
+    frames = [(f.f_code, line) for f, line in traceback.walk_tb(exc.__traceback__)
+              if graded is not None and f.f_code in graded]
+    where = None if not frames else \
+        f"{frames[-1][0].co_name} ({os.path.basename(frames[-1][0].co_filename)}, line {frames[-1][1]})"
+    unwritten = None
+    if isinstance(exc, StubCalled):     # the student's class does not define this seam at all
+        unwritten = (exc.method, class_line(plugin or {}, exc.role_class))
+    return {"type": type(exc).__name__, "message": message, "where": where, "unwritten": unwritten,
             "stub": isinstance(exc, NotImplementedError),
             "hang": isinstance(exc, comm.CollectiveTimeout),
             "peer_left": isinstance(exc, comm.CollectiveError) and not isinstance(exc, comm.CollectiveTimeout)}
-
-
-def _blame(exc, path):
-    """The innermost frame in the graded code: the student's file, else a planted mistake's
-    module, else the innermost frame of all."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    in_file = [f for f in frames if path is not None and os.path.abspath(f.filename) == path]
-    planted = [f for f in frames if f.filename.endswith("_mistakes.py")]
-    return (in_file or planted or frames or [None])[-1]
 
 
 def _still_in_step(case: int, timeout: float) -> bool:

@@ -20,6 +20,7 @@ from ..engines.zero1 import ZeRO1     # the library's engine: its seams are the 
 from .checks import check_collectives, check_parity, fmt_bytes, per_step, piece_of_bucket
 from .engine_run import moved, record_run, stub
 from .lab import Check, Lab, Stop, Wrong
+from .overlap import defined_at
 from .model import BUCKET_MB, OPTIMIZER, SCHEDULE, build
 
 SEAMS = ("_lay_out_masters", "_reduce", "_complete", "_publish")
@@ -37,9 +38,11 @@ class ZeRO1Lab(ZeRO1):
     self._ready_to_reduce(b, flat)  zeroes the slots no gradient reached and divides by N (chapter 5)
     self._out                 a dict you may use: bucket -> the reduce-scatter's output until _complete
     self.rank, self.world_size, self.device
-    self.comm                 the ledger: reduce_scatter(out, in, async_op=True, tag=...) -> handle,
-                              all_gather(out, in, tag=...) (blocking without async_op; `out` one
-                              flat tensor N times `in`, every rank's `in` in rank order)
+    self.comm                 the ledger (zerolab.comm.Ledger): reduce_scatter(out, in,
+                              async_op=False, tag="") (`in` N times `out`: rank r gets the sum of
+                              slice r) and all_gather(out, in, async_op=False, tag="") (`out` N
+                              times `in`, every rank's `in` in rank order); each returns a handle
+                              with .wait() if async_op, else None once done
 
     and what you set in _lay_out_masters: self.shards[b], the slice of bucket b this rank owns,
     and self.master_shards[b], the tensor the optimizer updates for it; you also set
@@ -53,7 +56,8 @@ class ZeRO1Lab(ZeRO1):
             mine = self.shards[b]
             if (mine.start, mine.stop) != (self.rank * size, (self.rank + 1) * size):
                 raise Stop(OWNERSHIP, "wrong_slice",
-                           f"rank {self.rank}'s slice of bucket {b} is elements {mine.start}-{mine.stop} "
+                           f"rank {self.rank}'s slice of bucket {b}, as your _lay_out_masters"
+                           f"{defined_at(type(self)._lay_out_masters)} set it, is elements {mine.start}-{mine.stop} "
                            f"of its {bucket.padded_numel} ({bucket.numel} real, "
                            f"{bucket.padded_numel - bucket.numel} of padding); with N = {self.world_size} "
                            f"each rank owns padded_numel / N = {size} elements, rank {self.rank} elements "

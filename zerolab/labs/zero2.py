@@ -11,19 +11,22 @@ library's:
                         the pool, release the pool after the last bucket
 
 ZeRO2Lab is zl.ZeRO(stage=2) with those three left to write; the grader stops the run the moment
-a buffer is handed out again while its reduce-scatter is still in flight.
+a buffer is handed out again while its reduce-scatter is still in flight, or _reduce returns no
+handle. Overlap is graded by zerolab.labs.overlap's rule, as in lab 3.
 """
 
 from __future__ import annotations
 
 from ..engines.zero2 import ZeRO2     # the library's engine: its seams are the reference
 from .checks import check_collectives, check_parity, fmt_bytes, per_step, piece_of_bucket
-from .engine_run import moved, record_run, stub
+from .engine_run import instrument, moved, record_run, stub
 from .lab import Check, Lab, Stop, Wrong
+from .overlap import check_handle, check_overlap
+from .plugins import GradedCode
 from .model import BUCKET_MB, OPTIMIZER, SCHEDULE, build, loss_of, micro_batch
 
 SEAMS = ("_take", "_reduce", "_complete")
-POOL = "a buffer is reused only once its reduce-scatter is done"
+POOL = "a buffer is reused only once its reduce-scatter is done"   # (and _reduce returns a handle)
 
 
 class ZeRO2Lab(ZeRO2):
@@ -42,7 +45,9 @@ class ZeRO2Lab(ZeRO2):
     self._acc32[b]            an fp32 accumulator of that slice (None until you need one)
     self._filled[b]           True once bucket b's slice holds a gradient since zero_grad
     self._out                 a dict you may use: bucket -> a reduce-scatter's output until _complete
-    self.rank, self.world_size, self.device, self.comm (reduce_scatter(out, in, async_op=True, tag=...))
+    self.rank, self.world_size, self.device
+    self.comm                 the ledger (zerolab.comm.Ledger): reduce_scatter(out, in,
+                              async_op=False, tag=""): a handle with .wait() if async_op, else None
 
     The step reads self._owned_grads(): _acc32[b] if you made one, else grad_shards[b].
     """
@@ -55,6 +60,7 @@ class ZeRO2Lab(ZeRO2):
     def _launch(self, b):
         buf = self._buffer_of.get(b)
         super()._launch(b)
+        check_handle(POOL, b, self._pending[-1][1], type(self)._reduce, "reduce-scatter")
         if buf is not None:
             self._in_flight[buf.data_ptr()] = (b, self._pending[-1][1])
 
@@ -83,6 +89,7 @@ def measure(plugin) -> dict:
     model = build()
     names = {id(p): name for name, p in model.named_parameters()}
     engine = plugin["engine"](model, OPTIMIZER, bucket_mb=BUCKET_MB)
+    instrument(engine, GradedCode(LAB, plugin))
     engine.grad_trace = []      # gradient bytes held, sampled at every hook and at the end of backward
     buckets = engine.buckets.buckets
 
@@ -176,14 +183,8 @@ def memory(ranks) -> str:
 
 
 def overlap(ranks) -> str:
-    def check(step, d, s):
-        starts = [r[4] for r in s["records"] if r[0] == "reduce_scatter"]
-        if not starts or min(starts) >= s["compute_end"]:
-            raise Wrong("no_overlap", f"step {step}, rank {d['rank']}: no reduce-scatter started before "
-                        "backward's compute ended.", "reduce each bucket as soon as it is full.")
-
-    per_step(ranks, check)
-    return "in every step the first bucket's reduce-scatter started while backward was still computing"
+    return check_overlap(ranks, "reduce_scatter", "reduce-scatter", "the reducer waits for it in a later "
+                         "hook or at the end of backward, and then calls your _complete")
 
 
 LAB = Lab(
@@ -196,6 +197,7 @@ LAB = Lab(
             Check("bytes per step: 2 Psi, as ZeRO-1", bytes_per_step, 'chapter 7, "The idea"'),
             Check("memory: 4 Psi / N of gradients, plus 2 C_B during backward", memory,
                   'chapter 7, "Reduce-scattering is not freeing"'),
-            Check("overlap: buckets reduced during backward", overlap, 'chapter 7, "The idea" (step 2)')),
+            Check("overlap: backward computes while buckets are reduce-scattered", overlap,
+                  'chapter 7, "The idea" (step 2)')),
     mistakes_module="zerolab.labs.zero2_mistakes",
 )

@@ -96,6 +96,25 @@ class KeepsPool(ReferenceZeRO2):
         self._free.append(self._buffer_of.pop(b))     # (the pool is never released)
 
 
+class WaitsInReduce(ReferenceZeRO2):
+    def _reduce(self, b):
+        handle = super()._reduce(b)
+        handle.wait()                   # (backward stands still while the bucket travels)
+        return handle
+
+
+class ReduceScatterNotAsync(ReferenceZeRO2):
+    def _reduce(self, b):
+        flat = self._buffer(b)[:self.buckets.buckets[b].padded_numel]
+        flat.div_(self.world_size)
+        out = torch.empty(flat.numel() // self.world_size, dtype=flat.dtype)
+        if self._filled[b]:
+            self._out[b] = out
+        else:
+            self.grad_shards[b] = out
+        return self.comm.reduce_scatter(out, flat, tag=f"bucket{b}")     # (no async_op=True: returns None)
+
+
 def _m(name, story, cls, expect):
     return Mistake(name, story, {"engine": cls}, expect)
 
@@ -112,4 +131,8 @@ MISTAKES = (
     _m("all_reduces", "all-reduced each bucket and kept the owned slice", AllReduces, "all_reduce"),
     _m("no_divide", "reduce-scattered without dividing by N", NoDivide, "not_divided"),
     _m("keeps_pool", "never released the pool after the last bucket", KeepsPool, "pool_kept"),
+    _m("waits_in_reduce", "waited for each bucket's reduce-scatter inside _reduce, right after starting it",
+       WaitsInReduce, "blocking_reduce"),
+    _m("reduce_scatter_not_async", "reduce-scattered each bucket without async_op=True", ReduceScatterNotAsync,
+       "not_async"),
 )

@@ -11,30 +11,60 @@ hooks call them, the step and everything else are the library's:
     Unit.finish_reduce()     wait for it, keep (or add to) the gradient shard, free the full gradient
     ZeRO3._prefetch_after(order, u, phase)   gather the unit that `order` needs after u
 
-UnitLab and ZeRO3Lab are the library's classes with those left to write. The grader notes every
-all-gather a unit issues and every time the engine starts using a unit, and stops the run the
-moment a unit is used before its all-gather has finished.
+UnitLab and ZeRO3Lab are the library's classes with those left to write. The grader's instruments
+(zerolab.labs.overlap) note every collective a unit issues, when, and where it is waited for, and
+every time the engine starts using a unit; they stop the run the moment the lifecycle breaks: a unit
+used before its all-gather has finished, or with its parameters still released or without memory, a
+gather into a freed buffer, a buffer freed under a gather in flight, or freed memory left readable.
+After the run the grader asks the graded _prefetch_after what it would gather in backward when a
+unit ahead had already finished its backward (a model whose backward runs out of the forward's
+order does that), and releases what it gathered, as before a step: a prefetch nobody used.
 """
 
 from __future__ import annotations
+
+import torch
+import torch.nn as nn
 
 # the library's code: its seams are the reference
 from ..engines.zero3.units import Unit, _mark_released, _storage_alloc, _storage_free
 from ..engines.zero3 import ZeRO3
 from ..engines.zero3.schedule import UnitSchedule
 from .checks import Piece, check_collectives, check_parity, fmt_bytes, per_step
-from .engine_run import moved, record_run, stub
+from .engine_run import instrument, moved, record_run, stub
 from .lab import Check, Lab, Stop, Wrong
 from .model import OPTIMIZER, SCHEDULE, build
+from .overlap import blocked, defined_at, overlapped, where
+from .plugins import GradedCode
 
 UNIT_SEAMS = ("gather", "wait", "release", "reduce_scatter", "finish_reduce")
 ENGINE_SEAMS = ("_prefetch_after",)
-LIFECYCLE = "a unit is used only once its all-gather has finished"
+LIFECYCLE = "a unit is used only once gathered, and freed only once its gather is done"
+PREFETCH_SECTION = 'chapter 8, "Prefetch: hide the gathers behind compute"'
 
 # the helpers a unit's lifecycle needs, under the names the stubs use
 storage_alloc = _storage_alloc      # give a released buffer its memory back (before gathering into it)
-storage_free = _storage_free        # free a buffer's memory; the tensor keeps its shape
 mark_released = _mark_released      # mark_released(params, True): reading them raises a clear error
+
+_RUN = {"in_flight": {}, "graded": None}   # the run in progress: data pointer -> its all-gather's Entry
+
+
+def storage_free(t: torch.Tensor) -> None:
+    """Free a buffer's memory; the tensor keeps its shape. (The grader's version of the library's
+    helper: it refuses to free a buffer an all-gather is still writing into.)"""
+    entry = _RUN["in_flight"].get(t.untyped_storage().data_ptr()) if t.untyped_storage().nbytes() else None
+    if entry is not None and entry.waited is None:
+        raise Stop(LIFECYCLE, "released_in_flight",
+                   f"unit {entry.owner}'s full buffer was freed {where(_RUN['graded'])} while its all-gather was "
+                   "still in flight (issued, never waited for): gloo would go on writing into memory given back. "
+                   "It happens to a prefetch nobody used (here: a unit gathered ahead, then released before a "
+                   "step).", "release() first finishes a gather still in flight (waits for its handles), and only "
+                   "then frees the buffer.")
+    _storage_free(t)
+
+
+def _allocated(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
 
 
 class UnitLab(Unit):
@@ -49,12 +79,20 @@ class UnitLab(Unit):
     self.grad_full                the unit's full gradient, filled during backward (None if none arrived)
     self.grad_shard               this rank's reduced gradient shard, kept until zero_grad
     self._rs                      yours: (handle, output) of the reduce-scatter in flight
-    self.comm                     the ledger: all_gather(out, in, async_op=True, tag=...) and
-                                  reduce_scatter(out, in, async_op=True, tag=...) -> handle
+    self.comm                     the ledger (zerolab.comm.Ledger): all_gather(out, in,
+                                  async_op=False, tag="") and reduce_scatter(out, in, ...): a
+                                  handle with .wait() if async_op, else None once done
     self.record(self, state, phase)   optional: notes an event for chapter 8's lifecycle plot
 
-    and the helpers storage_alloc(t), storage_free(t), mark_released(params, True | False) of
-    zerolab.labs.zero3. (Each unit here has one kind of buffer, "train".)
+    and the helpers of zerolab.labs.zero3: storage_alloc(t) gives a freed buffer its memory back
+    (its values are then garbage), storage_free(t) frees it (the tensor keeps its shape, views of
+    it keep theirs), mark_released(params, True | False) marks parameters released (reading one
+    raises an error that says where the values are) or readable again. (Each unit here has one
+    kind of buffer, "train".)
+
+    `phase`, the argument of gather, wait and release, says why they are called: "forward" or
+    "backward" (the unit's own, or a prefetch for it), "step" (every unit is released before the
+    optimizer step) or "inspect" (engine.gathered_parameters()).
     """
 
 
@@ -65,39 +103,72 @@ class ZeRO3Lab(ZeRO3):
 
     unit_class = UnitLab
 
-    def _build_units(self, found, init_fn, group_of):
-        super()._build_units(found, init_fn, group_of)
-        self.trace = []             # the grader's: ("gather" | "use", unit name, phase), in order
+    # -------------------------------------------------------------- the grader's instruments
+    def watch(self, graded) -> None:
+        """Give each unit its view of the graded ledger, and check every unit's release."""
+        self.trace = []             # ("gather" | "use", unit name, phase), in order
+        self.graded = graded
+        graded.on_issue = self._issued
         for u in self.units:
-            u.comm = _UnitLedger(self, u)
+            u.comm = graded.for_owner(u.name)
+            u.release = _checked_release(u, u.release)
+
+    def _issued(self, entry, out):
+        if entry.op != "all_gather":
+            return
+        if out is not None and not _allocated(out):
+            raise Stop(LIFECYCLE, "not_allocated",
+                       f"unit {entry.owner}'s all-gather was issued {where(self.graded._graded_code)} into a "
+                       "buffer whose memory is freed (0 bytes): there is nowhere for the gathered values to go.",
+                       "give the full buffer its memory back (storage_alloc) before gathering into it.")
+        self.trace.append(("gather", entry.owner, "backward" if self._in_backward else "forward"))
+        if out is not None:
+            _RUN["in_flight"][out.untyped_storage().data_ptr()] = entry
 
     def _use(self, u, phase):
+        at = self.graded.clock.count
         super()._use(u, phase)
         self.trace.append(("use", u.name, phase))
-        late = [r for r in u.comm.gathers if r.end is None]
-        if late:
+        mine = [e for e in self.graded.entries if e.owner == u.name and e.op == "all_gather"]
+        for e in mine:
+            if e.needed is None:
+                e.needed = at       # (overlap: the compute between a prefetch's launch and now)
+        if any(e.record.end is None for e in mine):
             raise Stop(LIFECYCLE, "used_before_gathered",
-                       f"unit {u.name} was used in {phase} while its all-gather was still in flight: its "
-                       "parameters were read before they had arrived.",
-                       "wait() waits for every handle of the unit's all-gather before it marks the unit "
-                       "gathered.")
+                       f"unit {u.name} was used in {phase} while its all-gather was still in flight, once your "
+                       f"wait{defined_at(type(u).wait)} had returned: its parameters were read before they had "
+                       "arrived.",
+                       "wait() returns only once every all-gather of the unit has been waited for.")
+        if not all(_allocated(p) for p in u.params):
+            raise Stop(LIFECYCLE, "gathered_elsewhere",
+                       f"unit {u.name} was used in {phase} with its parameters' memory still freed (0 bytes), "
+                       f"although your gather{defined_at(type(u).gather)} and wait had run: the parameters are "
+                       "views into the unit's full buffer as it was built, and the all-gather wrote somewhere "
+                       "else.",
+                       "gather into the buffers of self.full themselves, after giving each its memory back "
+                       "(storage_alloc); a new tensor is not what the parameters look at.")
+        if any(type(p) is not nn.Parameter for p in u.params):
+            raise Stop(LIFECYCLE, "still_released",
+                       f"unit {u.name} was used in {phase} after your wait{defined_at(type(u).wait)} returned, "
+                       "but its parameters are still marked released: the gathered values are there, and "
+                       "reading them raises the error meant for released parameters.",
+                       "once the gather is complete, wait() makes the parameters readable again "
+                       "(mark_released with False).")
 
 
-class _UnitLedger:
-    """The engine's ledger as one unit sees it: every all-gather it issues is noted."""
-
-    def __init__(self, engine, unit):
-        self._engine, self._unit, self.gathers = engine, unit, []
-
-    def all_gather(self, *args, **kwargs):
-        handle = self._engine.comm.all_gather(*args, **kwargs)
-        self.gathers.append(self._engine.comm.records[-1])
-        self._engine.trace.append(("gather", self._unit.name,
-                                   "backward" if self._engine._in_backward else "forward"))
-        return handle
-
-    def __getattr__(self, name):
-        return getattr(self._engine.comm, name)
+def _checked_release(u, release):
+    """u.release, then: freed memory must not be readable (a read would crash, or worse)."""
+    def checked(phase):
+        release(phase)
+        readable = [p for p in u.params if type(p) is nn.Parameter and not _allocated(p)]
+        if readable:
+            raise Stop(LIFECYCLE, "release_not_marked",
+                       f"unit {u.name} was released in {phase} by your release{defined_at(type(u).release)}: "
+                       "its memory is freed, but its parameters are not marked released, so reading one "
+                       "(print(p), a forward outside the engine) would fail with a bare out-of-bounds error, or "
+                       "read freed memory.",
+                       "release() marks the parameters released (mark_released with True) as it frees them.")
+    return checked
 
 
 for _name in UNIT_SEAMS:
@@ -117,6 +188,9 @@ def measure(plugin) -> dict:
     names = {id(p): name for name, p in model.named_parameters()}
     engine_class = type("Graded", (plugin["engine"],), {"unit_class": plugin["unit"]})
     engine = engine_class(model, OPTIMIZER, prefetch=1)
+    graded = GradedCode(LAB, plugin)
+    _RUN.update(in_flight={}, graded=graded)
+    engine.watch(instrument(engine, graded, replace_comm=False))
     units = [u for u in engine.units if "train" in u.buckets]
 
     def piece(u, whole=False):
@@ -139,7 +213,26 @@ def measure(plugin) -> dict:
                       weights=weights, after_backward=trace,
                       after_step=lambda e, step: {"memory_after_step": e.memory_report()})
     data["units"] = [piece(u, whole=True) for u in units]
+    data["probe"] = _probe_backward_prefetch(engine)
+    data["prefetch_at"] = defined_at(type(engine)._prefetch_after)
     return data
+
+
+def _probe_backward_prefetch(engine) -> list:
+    """What the graded _prefetch_after gathers in backward, as blocks.2 is about to compute, when
+    blocks.1's backward is already done (the lab's model runs its units' backwards in order; a
+    model whose backward runs a unit out of the forward's order does this). Then every unit is
+    released, as before a step: the prefetch was never used. Returns the units it gathered."""
+    by = {u.name: u for u in engine.units}
+    order = [by[name] for name in ("root", "blocks.2", "blocks.1", "blocks.0")]
+    for u in engine.units:
+        u.reduced = u is by["blocks.1"]
+    mark = len(engine.graded.entries)
+    engine._prefetch_after(order, by["blocks.2"], "backward")
+    gathered = [e.owner for e in engine.graded.entries[mark:] if e.op == "all_gather"]
+    for u in engine.units:
+        u.release("step")
+    return gathered
 
 
 # ------------------------------------------------------------------ the checks, in the parent
@@ -198,8 +291,72 @@ def prefetch(ranks) -> str:
             _check_prefetch([(kind, name) for kind, name, ph in s["trace"] if ph == phase], phase, step, d["rank"])
 
     per_step(ranks, check)
+    for d in ranks:
+        _check_probe(d["probe"], d["rank"], d["prefetch_at"])
     return ("in forward and in backward, the next unit's all-gather was issued before the unit before it "
-            "started computing")
+            "started computing; and in backward a unit whose backward was done was not gathered again")
+
+
+def _check_probe(gathered: list, rank: int, at: str) -> None:
+    """The probe (_probe_backward_prefetch): with blocks.1's backward done, the unit to gather
+    ahead of blocks.2 is blocks.0."""
+    asked = ("(The grader asked your _prefetch_after after the run: in backward, as blocks.2 is about to "
+             "compute, with blocks.1's backward already done, which happens when a model's backward runs a "
+             "unit out of the forward's order.)")
+    if "blocks.1" in gathered:
+        raise Wrong("stale_prefetch", f"rank {rank}: in backward, as blocks.2 was about to compute, your "
+                    f"_prefetch_after{at} gathered blocks.1, whose backward was already done: a stale gathered copy. "
+                    "Its backward will not run again in this step, so the all-gather moves its bytes for nothing "
+                    f"and holds its memory until the step. {asked}",
+                    "in backward, skip the units whose backward is done (v.reduced) and gather the next ones "
+                    "that still need theirs.")
+    if "blocks.0" not in gathered:
+        raise Wrong("prefetch_not_past_done", f"rank {rank}: in backward, as blocks.2 was about to compute and "
+                    f"blocks.1's backward was already done, your _prefetch_after{at} gathered "
+                    f"{', '.join(gathered) or 'nothing'}: blocks.0, the next unit whose backward is still to "
+                    f"run, was not gathered ahead, so its backward will wait for its all-gather. {asked}",
+                    "skip the units whose backward is done, and gather the next `self.prefetch` units after "
+                    "them, not fewer.")
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'s' * (n != 1)}"
+
+
+def overlap(ranks) -> str:
+    least = {"all_gather": [], "reduce_scatter": []}
+
+    def check(step, d, s):
+        entries = [e for e in s["entries"] if e[0] in least]
+        bad = blocked(entries, tuple(least))
+        if bad:
+            op, _, unit, phase, launched, waited, needed, where_, blocking = bad[0]
+            how = (f"was issued without async_op=True {where_}, so it returned finished" if blocking else
+                   f"was waited for {where_} right after it was launched")
+            if op == "all_gather":
+                work = "module forward" if phase == "forward" else "autograd operation"
+                raise Wrong("blocking_gather",
+                            f"step {step}, rank {d['rank']}, {phase}: the all-gather of unit {unit}, issued ahead "
+                            f"of its use (a prefetch), {how}: {_count(needed - launched, work)} started between its "
+                            "launch and the unit's use, and none of them while it was in flight. The prefetch "
+                            "hid nothing: compute stood still while the unit's parameters travelled.",
+                            "gather() only starts the all-gather (async_op=True) and returns at once, keeping "
+                            "the handle in self.handles; wait() waits for it, when the unit is about to compute.")
+            raise Wrong("blocking_reduce_scatter",
+                        f"step {step}, rank {d['rank']}: unit {unit}'s reduce-scatter {how}: backward still had "
+                        f"{needed - launched} autograd operations to start, and none of them started while it "
+                        "was in flight. Backward stood still while the gradient travelled.",
+                        "reduce_scatter() only starts it (async_op=True) and keeps (handle, output) in "
+                        "self._rs; finish_reduce() waits for it, which the engine calls a unit later.")
+        for op in least:
+            least[op] += [events for _, events in overlapped(entries, (op,))]
+
+    per_step(ranks, check)
+    return (f"every all-gather issued ahead was in flight while at least "
+            f"{_count(min(least['all_gather']), 'module forward or autograd operation')} started, and every "
+            f"reduce-scatter with backward left to run while at least "
+            f"{_count(min(least['reduce_scatter']), 'autograd operation')} did (graded by the order of events, "
+            "not by time)")
 
 
 def _check_prefetch(events, phase, step, rank):
@@ -230,12 +387,12 @@ LAB = Lab(
     stub_file="lab6_zero3.py", world_size=2,
     roles={"unit": UnitLab, "engine": ZeRO3Lab}, reference={"unit": ReferenceUnit, "engine": ReferenceZeRO3},
     measure=measure,
-    checks=(Check(LIFECYCLE, None, 'chapter 8, "The lifecycle, from a real trace"',
-                  "no unit used before its all-gather finished"),
+    checks=(Check(LIFECYCLE, None, 'chapter 8, "The idea" and "The lifecycle, from a real trace"',
+                  "no unit used before its all-gather finished, none freed under a gather in flight"),
             Check("parity with one process on the global batch", parity, 'chapter 8, "The idea"'),
             Check("bytes per step: 3 Psi", bytes_per_step, 'chapter 8, "Bytes per step: 3 Psi against 2 Psi"'),
             Check("memory: (4 + 4 + K) Psi / N", memory, 'chapter 8, "Memory per rank against N_d"'),
-            Check("prefetch: the next unit is gathered ahead", prefetch,
-                  'chapter 8, "Prefetch: hide the gathers behind compute"')),
+            Check("prefetch: the next unit is gathered ahead", prefetch, PREFETCH_SECTION),
+            Check("overlap: compute runs while units are gathered and reduced", overlap, PREFETCH_SECTION)),
     mistakes_module="zerolab.labs.zero3_mistakes",
 )

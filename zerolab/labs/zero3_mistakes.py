@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .lab import Mistake
-from .zero3 import ReferenceUnit, ReferenceZeRO3, mark_released
+from .zero3 import ReferenceUnit, ReferenceZeRO3, mark_released, storage_alloc, storage_free
 
 
 class PrefetchesTwoAhead(ReferenceZeRO3):
@@ -86,6 +86,94 @@ class AllReduces(ReferenceUnit):
         self.grad_shard = mine if self.grad_shard is None else self.grad_shard + mine
 
 
+class GathersInPlace(ReferenceUnit):
+    def gather(self, phase):
+        if self.gathered or self.handles:
+            return
+        for kind, full in self.full.items():
+            storage_alloc(full)
+            self.comm.all_gather(full, self.shard[kind], async_op=True, tag=f"gather:{self.name}").wait()
+        self.gathered = True            # (waited in place: returns only once the unit has arrived)
+        mark_released(self.params, False)
+
+
+class StalePrefetch(ReferenceZeRO3):
+    def _prefetch_after(self, order, u, phase):
+        if self.prefetch == 0 or u not in order:
+            return
+        i = order.index(u)
+        for v in order[i + 1:i + 1 + self.prefetch]:     # (in backward, a unit already done too)
+            v.gather(phase)
+
+
+class PrefetchStopsAtDone(ReferenceZeRO3):
+    def _prefetch_after(self, order, u, phase):
+        if self.prefetch == 0 or u not in order:
+            return
+        i = order.index(u)
+        for v in order[i + 1:i + 1 + self.prefetch]:
+            if not (phase == "backward" and v.reduced):  # (skips a done unit, gathers none in its place)
+                v.gather(phase)
+
+
+class ReleasesInFlight(ReferenceUnit):
+    def release(self, phase):
+        if not self.gathered and not self.handles:
+            return
+        mark_released(self.params, True)
+        for full in self.full.values():
+            storage_free(full)          # (a prefetch's all-gather may still be writing into it)
+        self.handles, self.gathered = {}, False
+
+
+class ForgetsStorageAlloc(ReferenceUnit):
+    def gather(self, phase):
+        if self.gathered or self.handles:
+            return
+        for kind, full in self.full.items():            # (the buffer's memory is still freed)
+            self.handles[kind] = self.comm.all_gather(full, self.shard[kind], async_op=True,
+                                                      tag=f"gather:{self.name}")
+
+
+class GathersIntoNewBuffer(ReferenceUnit):
+    def gather(self, phase):
+        if self.gathered or self.handles:
+            return
+        for kind, full in self.full.items():
+            fresh = torch.empty(full.numel(), dtype=full.dtype)     # (the parameters look at the old one)
+            self.handles[kind] = self.comm.all_gather(fresh, self.shard[kind], async_op=True,
+                                                      tag=f"gather:{self.name}")
+            self.full[kind] = fresh
+
+
+class LeavesParametersReleased(ReferenceUnit):
+    def wait(self, phase):
+        if self.gathered:
+            return 0.0
+        self.gather(phase)
+        for h in self.handles.values():
+            h.wait()
+        self.handles, self.gathered = {}, True      # (the parameters are never made readable again)
+        return 0.0
+
+
+class LeavesFreedMemoryReadable(ReferenceUnit):
+    def release(self, phase):
+        if self.handles:
+            self.wait(phase)
+        if not self.gathered:
+            return
+        for full in self.full.values():
+            storage_free(full)          # (freed, but the parameters are not marked released)
+        self.gathered = False
+
+
+class WaitsInReduceScatter(ReferenceUnit):
+    def reduce_scatter(self):
+        super().reduce_scatter()
+        self._rs[0].wait()              # (backward stands still while the gradient travels)
+
+
 def _unit(name, story, cls, expect):
     return Mistake(name, story, {"unit": cls}, expect)
 
@@ -109,4 +197,21 @@ MISTAKES = (
           WaitDoesNotWait, "used_before_gathered"),
     _unit("all_reduces", "all-reduced the unit's gradient and kept this rank's shard", AllReduces,
           "all_reduce"),
+    _unit("gathers_in_place", "waited for the all-gather inside gather()", GathersInPlace, "blocking_gather"),
+    _engine("stale_prefetch", "prefetched in backward a unit whose backward was already done", StalePrefetch,
+            "stale_prefetch"),
+    _engine("prefetch_stops_at_done", "skipped a unit whose backward was done, but gathered none in its place",
+            PrefetchStopsAtDone, "prefetch_not_past_done"),
+    _unit("releases_in_flight", "freed a unit's buffer while a prefetch was still gathering into it",
+          ReleasesInFlight, "released_in_flight"),
+    _unit("forgets_storage_alloc", "gathered into the full buffer without giving it its memory back",
+          ForgetsStorageAlloc, "not_allocated"),
+    _unit("gathers_into_new_buffer", "gathered into a new tensor instead of the unit's own buffer",
+          GathersIntoNewBuffer, "gathered_elsewhere"),
+    _unit("leaves_parameters_released", "never marked the gathered parameters readable again",
+          LeavesParametersReleased, "still_released"),
+    _unit("leaves_freed_memory_readable", "freed the buffer without marking its parameters released",
+          LeavesFreedMemoryReadable, "release_not_marked"),
+    _unit("waits_in_reduce_scatter", "waited for the reduce-scatter inside reduce_scatter()",
+          WaitsInReduceScatter, "blocking_reduce_scatter"),
 )
