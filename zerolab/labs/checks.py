@@ -65,6 +65,21 @@ class Piece:
         return f"padding, element {at} of the bucket"
 
 
+def adam_state_bytes(pieces, n: int, rank: int) -> int:
+    """What AdamW holds on `rank` when the optimizer is handed this rank's part of each parameter
+    (zerolab.engines.param_views): two fp32 moments per real element of its slice of each padded
+    piece (K = 8 bytes; padding has none) and a 4-byte step count per parameter with a part in it."""
+    total = 0
+    for piece in pieces:
+        size = piece.padded // n
+        lo, hi = rank * size, (rank + 1) * size
+        for _, offset, numel in piece.entries:
+            mine = min(offset + numel, hi) - max(offset, lo)
+            if mine > 0:
+                total += 8 * mine + 4
+    return total
+
+
 def piece_of_bucket(label, bucket, names, lo=0, hi=None) -> Piece:
     """A Piece for a zerolab.buckets.Bucket (names: id(param) -> its name)."""
     return Piece(label, [(names[id(p)], o, n) for p, o, n in zip(bucket.params, bucket.offsets, bucket.sizes)],

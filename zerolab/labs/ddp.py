@@ -22,7 +22,7 @@ import torch
 
 from ..engines.ddp import DDP       # the library's engine: its seams are the reference
 from .checks import Piece, check_parity, fmt_bytes, per_step, piece_of_bucket, ring_factor
-from .engine_run import BOOKKEEPING, instrument, moved, record_run, stub
+from .engine_run import instrument, moved, record_run, stub
 from .lab import Check, Lab, Stop, Wrong
 from .overlap import check_handle, check_overlap, defined_at, waited_where
 from .plugins import GradedCode

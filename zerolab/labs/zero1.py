@@ -17,7 +17,7 @@ moment they are laid out.
 from __future__ import annotations
 
 from ..engines.zero1 import ZeRO1     # the library's engine: its seams are the reference
-from .checks import check_collectives, check_parity, fmt_bytes, per_step, piece_of_bucket
+from .checks import adam_state_bytes, check_collectives, check_parity, fmt_bytes, per_step, piece_of_bucket
 from .engine_run import moved, record_run, stub
 from .lab import Check, Lab, Stop, Wrong
 from .overlap import defined_at
@@ -116,22 +116,24 @@ def bytes_per_step(ranks) -> str:
 def memory(ranks) -> str:
     def check(step, d, s):
         psi, n, m = sum(b.padded for b in d["buckets"]), d["n"], s["memory"]
-        # AdamW keeps two fp32 moments per element it updates (K = 8) and one step count (4 B) per tensor
-        want = {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi // n + 4 * len(d["buckets"])}
+        # AdamW keeps two fp32 moments per element of this rank's part of each parameter (K = 8)
+        # and one step count (4 B) per parameter it holds a part of
+        want = {"params": 4 * psi, "grads": 4 * psi, "optimizer": adam_state_bytes(d["buckets"], n, d["rank"])}
         for kind, bytes_ in want.items():
             if m[kind] != bytes_:
                 raise Wrong("memory", f"after step {step}, rank {d['rank']} holds {fmt_bytes(m[kind])} of {kind}; "
                             f"ZeRO-1 in fp32 with AdamW holds params 4 Psi = {fmt_bytes(want['params'])}, grads "
                             f"4 Psi = {fmt_bytes(want['grads'])} (until zero_grad) and optimizer state "
-                            f"K Psi / N = 8 x {psi} / {n} (+ 4 B of step count per bucket) = "
-                            f"{fmt_bytes(want['optimizer'])} (Psi = {psi}, padded).",
+                            f"K Psi / N = 8 x (the real elements of its slices) + 4 B of step count per "
+                            f"parameter it holds a part of = {fmt_bytes(want['optimizer'])} (Psi = {psi}, padded).",
                             "the optimizer must see this rank's slices only, and the masters in fp32 are "
                             "views of the model's own flat buffers, not copies.")
 
     per_step(ranks, check)
     psi, n = sum(b.padded for b in ranks[0]["buckets"]), ranks[0]["n"]
+    state = adam_state_bytes(ranks[0]["buckets"], n, 0)
     return (f"params 4 Psi + grads 4 Psi + optimizer 8 Psi / N (+ step counts) = "
-            f"{fmt_bytes(8 * psi + 8 * psi // n + 4 * len(ranks[0]['buckets']))} per rank, exactly")
+            f"{fmt_bytes(8 * psi + state)} on rank 0, exactly")
 
 
 LAB = Lab(

@@ -30,7 +30,7 @@ import torch.nn as nn
 from ..engines.zero3.units import Unit, _mark_released, _storage_alloc, _storage_free
 from ..engines.zero3 import ZeRO3
 from ..engines.zero3.schedule import UnitSchedule
-from .checks import Piece, check_collectives, check_parity, fmt_bytes, per_step
+from .checks import Piece, adam_state_bytes, check_collectives, check_parity, fmt_bytes, per_step
 from .engine_run import instrument, moved, record_run, stub
 from .lab import Check, Lab, Stop, Wrong
 from .model import OPTIMIZER, SCHEDULE, build
@@ -261,7 +261,7 @@ def bytes_per_step(ranks) -> str:
 
 def memory(ranks) -> str:
     def check(step, d, s):
-        psi, n, units = sum(u.padded for u in d["units"]), d["n"], len(d["units"])
+        psi, n = sum(u.padded for u in d["units"]), d["n"]
         shards = 4 * psi // n
         after_backward, after_step = s["memory"], s["memory_after_step"]
         if after_backward["grads"] != shards:
@@ -274,10 +274,12 @@ def memory(ranks) -> str:
                         f"{fmt_bytes(after_step['params'])} of parameters; between uses ZeRO-3 holds only its "
                         f"shards, 4 Psi / N = {fmt_bytes(shards)}.",
                         "release() frees the full buffer's memory (storage_free), not only the flag.")
-        if after_step["optimizer"] != 2 * shards + 4 * units:
+        state = adam_state_bytes(d["units"], n, d["rank"])
+        if after_step["optimizer"] != state:
             raise Wrong("memory", f"step {step}, rank {d['rank']}: the optimizer holds "
-                        f"{fmt_bytes(after_step['optimizer'])}; AdamW on the shards holds 8 Psi / N (+ 4 B of "
-                        f"step count per unit) = {fmt_bytes(2 * shards + 4 * units)}.", "")
+                        f"{fmt_bytes(after_step['optimizer'])}; AdamW on the shards holds 8 B per real element "
+                        f"of them (8 Psi / N, less the padding) + 4 B of step count per parameter it holds "
+                        f"a part of = {fmt_bytes(state)}.", "")
 
     per_step(ranks, check)
     psi, n = sum(u.padded for u in ranks[0]["units"]), ranks[0]["n"]
