@@ -261,7 +261,10 @@ def fp32_where_buffers(model: torch.nn.Module, dtype: torch.dtype) -> None:
                 if b is not None and b.is_floating_point():
                     m._buffers[b_name] = b.float()
             m.register_forward_pre_hook(_compute_in_fp32, with_kwargs=True)
-            m.register_forward_hook(lambda mod, args, out, dtype=dtype: _back_to(mod, out, dtype))
+            # always_call: a forward that raises (BatchNorm on a batch of one) still gets its real
+            # parameters back, or the fp32 copies would stay in the module and never train again
+            m.register_forward_hook(lambda mod, args, out, dtype=dtype: _back_to(mod, out, dtype),
+                                    always_call=True)
 
 
 def _floats_to(x, dtype):

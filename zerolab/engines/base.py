@@ -7,9 +7,10 @@ they travel. What does not differ lives here:
 * calling the engine casts floating inputs to the compute dtype, runs the forward, and hooks
   its output, so the engine sees every backward through it, whoever starts it;
 * a backward is the same whether the script calls loss.backward() (PyTorch's loop) or
-  engine.backward(loss) (which only adds fp16's loss scaling): its first hook begins it
-  (`_begin_backward`: misuse refused, the reducer's state reset, an end-of-backward callback
-  queued) and the callback ends it (`_end_backward`: the engine's `_finish_backward` waits for
+  engine.backward(loss) (which only adds fp16's loss scaling): it begins where the parameters'
+  gradients begin (`_begin_backward`: misuse refused, the reducer's state reset, an
+  end-of-backward callback queued; an autograd pass that computes no parameter's gradient, such
+  as torch.autograd.grad(out.sum(), x) for a gradient penalty, is not one) and the callback ends it (`_end_backward`: the engine's `_finish_backward` waits for
   every reduction, so when backward returns every gradient is averaged). Each reduction divides
   by N on its way (gloo has no average), never the loss;
 * a step is optimizer.step(), whoever calls it (engine.step() does too): PyTorch's step hooks
@@ -22,6 +23,8 @@ they travel. What does not differ lives here:
   `_after_update` publishes the updated masters to the compute copies (`_publish`: a cast, an
   all-gather, ...);
 * zero_grad() drops the gradients (`_release_grads`) and resets the guards;
+* where the engine is (forward, in backward, reduced, accumulated inside no_sync, stepped) and
+  what each call may do is one object, engines.lifecycle.Lifecycle (`self.life`);
 * engine.optimizer is the script's torch optimizer, each parameter of its groups moved onto what
   the engine updates for it (one master, or one view of a flat buffer: engines.param_views) and
   its zero_grad() the engine's (engines.param_groups.hand_over), so optimizer.step(),
@@ -32,11 +35,15 @@ they travel. What does not differ lives here:
   full_state_dict(), memory_report(), gathered_parameters() and the pieces a checkpoint writes
   are engines.state.EngineState's.
 
-A subclass sets, in its __init__: model, precision, world_size, comm, max_grad_norm, steps,
-track_peak, last_peak, last_activations, last_grad_norm, optimizer (engines.setup does most
-of it), params and masters, and ends with _watch_parameters(). The defaults suit one fp32
-master per parameter; the flat engines redefine _step_grads, _publish, _release_grads,
-_full_values and _memory_tensors.
+Every engine is built by the same sequence, Engine.__init__: its options parsed and checked
+(engines.options), `_read_options`, torch.compile's wrapper set aside, `_join` (who takes part:
+one process, or the data-parallel group with its precision and the check that every rank wraps
+the same model: engines.setup.join_data_parallel), the lifecycle (engines.lifecycle: the
+training state and every misuse error), the script's optimizer checked (param_groups.build),
+`_lay_out` (the engine's storage: masters, flat buckets, ZeRO-3's units), the optimizer's groups
+moved onto what the engine updates and handed over (or awaited: FSDP2's order), `_ready`, and a
+hook on each trainable parameter. The defaults suit one fp32 master per parameter; the flat
+engines redefine _step_grads, _publish, _release_grads, _full_values and _memory_tensors.
 """
 
 from __future__ import annotations
@@ -45,13 +52,15 @@ import dataclasses
 from collections.abc import Mapping
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..memory import PeakMemory
-from ..precision import global_norm, squared_norm
-from . import grad_guard
-from .options import check_max_grad_norm
-from .setup import broadcast_from_rank0, measured_forward
+from ..precision import cast_for_compute, global_norm, squared_norm
+from . import grad_guard, param_groups
+from .lifecycle import Lifecycle
+from .options import EngineOptions, check_max_grad_norm
+from .setup import broadcast_from_rank0, compiled_parts, join_data_parallel, measured_forward
 from .state import EngineState
 from .step import Step
 
@@ -82,39 +91,106 @@ class Engine(Step, EngineState):
     # and 3: the shards); no for ZeRO-1, whose rank holds the averaged gradient of its own slice
     # only, beside the other slices' local ones (it refuses, naming zero_grad and no_sync).
     accumulates_after_reduce = True
+    reduces_in_no_sync = False  # ZeRO-2 and 3 reduce every backward (no full gradient to keep)
+    flat_optimizer = None       # the engine's name if the optimizer may see cut parameters (ZeRO)
+    takes: tuple = ()           # the option names it takes (zerolab.engines.options)
     optimizer = None            # the script's torch optimizer, handed over (None: DDP without one)
-    _sync = True                # False inside no_sync()
-    _backward_done = False      # a backward ran since the last step() / zero_grad()
-    _reduced = False            # a reducing backward ran since the last zero_grad()
-    _unreduced = False          # the last backward ran inside no_sync(): not averaged yet
     track_activations = False   # measure the activations each forward leaves (engines.setup)
-    _clip_next = None           # max_norm of a clip_grad_norm_() call, for the next step
     broadcast_buffers = False   # data-parallel engines: True by default (engines.setup)
     norm_group = None           # the group whose shards make up the whole gradient once (None: all)
     _last_batch = None          # fp16: the last training forward's inputs, to diagnose a give-up
     _src = 0                    # the rank whose weights and buffers every rank starts from
     compiled = None             # torch.compile's wrapper of the model, which runs the forward
+    mesh = None                 # ZeRO-R's Mesh (tensor-parallel models), if any
+
+    def __init__(self, model: torch.nn.Module, optimizer=None, **keywords):
+        """model: any nn.Module (compiled first or not); optimizer: a torch optimizer built on
+        the model's parameters, a factory of one (functools.partial(torch.optim.AdamW, lr=3e-4)),
+        or None where the engine takes none (DDP) or adopts the script's later (ZeRO: FSDP2's
+        order); keywords: the options this engine takes (`takes`; engines.options says each)."""
+        opts = EngineOptions.parse(type(self).__name__, self.takes, keywords, getattr(self, "stage", None))
+        self.options = opts
+        self._read_options(opts, model)
+        model, self.compiled = compiled_parts(model)
+        self._join(model, optimizer, opts)
+        t = opts.training
+        self.model, self.max_grad_norm, self.track_peak = model, t.max_grad_norm, t.track_peak
+        self.steps, self.last_peak, self.last_grad_norm, self.last_activations = 0, 0, None, None
+        self.last_backward = {}
+        self.life = Lifecycle(type(self).__name__, self.world_size,
+                              accumulates_after_reduce=self.accumulates_after_reduce,
+                              reduces_in_no_sync=self.reduces_in_no_sync,
+                              loss_scaling=self.precision.scaler is not None)
+        # the optimizer sees the model's parameters, so its parameter groups can tell them apart
+        state = None
+        if optimizer is not None:
+            self.optimizer, state = param_groups.build(optimizer, model, t.precision, self.flat_optimizer)
+        self._lay_out(model)
+        if self.optimizer is not None:
+            self._place_groups()
+            param_groups.hand_over(self.optimizer, self, state)
+        elif self.awaits_optimizer:     # FSDP2's order: the script builds it afterwards
+            param_groups.await_optimizer(self)
+        self._ready()
+        self._watch_parameters()
+
+    # What each engine fills in, in the order __init__ calls them.
+    def _read_options(self, opts, model) -> None:
+        """The engine's own settings from its checked options, before anything is built."""
+
+    def _join(self, model, optimizer, opts) -> None:
+        """Who takes part (the data-parallel group, precision, ZeRO-R's options), checked the same
+        on every rank (engines.setup.join_data_parallel); then every rank starts from the same
+        parameters and buffers. SingleProcess: one process."""
+        self._keep(join_data_parallel(type(self), model, optimizer, opts))
+        self.broadcast_buffers = opts.training.broadcast_buffers
+        broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), self.comm, self._src)
+
+    def _keep(self, group) -> None:
+        """What join_data_parallel returned, as the engine's own attributes."""
+        self.comm, self.world_size, self.rank, self._src = group.comm, group.world_size, group.rank, group.src
+        self.mesh, self.precision = group.mesh, group.precision
+        self.activation_checkpointing, self.track_activations = group.activation_checkpointing, \
+            group.track_activations
+
+    def _lay_out(self, model) -> None:
+        """The engine's storage: the parameters it trains, in its order, and their masters."""
+        self.params = self._order(model)
+        self._setup_storage()
+
+    def _order(self, model) -> list:
+        """The trainable parameters, each tied weight once, in the order the engine keeps them."""
+        return [p for p in model.parameters() if p.requires_grad]
+
+    def _setup_storage(self) -> None:
+        """One master per trainable parameter: the parameter itself in fp32, an fp32 copy in
+        bf16 / fp16 (the flat engines: buckets)."""
+        if self.precision.policy.needs_master:
+            # masters first, from the exact fp32 values; then the model becomes low precision
+            self.masters = [p.detach().clone().float() for p in self.params]
+            cast_for_compute(self.model, self.precision.compute_dtype)   # (BatchNorm stays fp32)
+        else:
+            self.masters = self.params
+
+    def _ready(self) -> None:
+        """The last touches once the optimizer is placed (ZeRO-3: its hooks)."""
 
     # -------------------------------------------------------------- forward
     def __call__(self, *args, **kwargs):
         """The forward, called as the model is (keywords and nested inputs too: a Hugging Face
         model's input_ids=..., labels=...). Floating tensors are cast to the compute dtype."""
         training = torch.is_grad_enabled()
-        if self._sync_buffers_next and self.broadcast_buffers:
+        sync_buffers, synced = self.life.forward(training)
+        if sync_buffers and self.broadcast_buffers:
             self._broadcast_buffers()
-        # PyTorch DDP's rule: buffers are synced at the forward that FOLLOWS a synced training
-        # forward, so the first eval forward after training (no_grad too) sees rank 0's statistics
-        self._sync_buffers_next = training and self._sync
         dtype = self.precision.compute_dtype
         args, kwargs = tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
                                 else x, (args, kwargs))
         if self.precision.scaler is not None and training:
             self._last_batch = (args, kwargs)   # a reference, not a copy: the batch is alive anyway
-        if training:
-            self._in_backward = False   # a new forward: whatever backward ran before has ended
         out = self._forward(*args, **kwargs)
         if training:
-            self._watch_output(out, self._sync)
+            self._watch_output(out, synced)
         return out
 
     def _forward(self, *args, **kwargs):
@@ -128,25 +204,33 @@ class Engine(Step, EngineState):
             broadcast_from_rank0(buffers, self.comm, self._src, tag="buffers")
 
     def _watch_output(self, out, synced: bool) -> None:
-        """Hook the forward's output: its gradient is the first thing any backward through it
-        computes, so the engine learns a backward has begun whoever started it. `synced` is
-        whether this forward ran outside no_sync() (as in PyTorch DDP, the forward decides)."""
+        """Hook the forward's output: its gradient is the first thing any autograd pass through it
+        computes. `synced` is whether this forward ran outside no_sync() (as in PyTorch DDP, the
+        forward decides)."""
         for t in tensors_in(out):
             if t.requires_grad:
                 t.register_hook(lambda grad, synced=synced: self._output_grad(synced))
 
     def _output_grad(self, synced: bool) -> None:
-        if not self._in_backward:
+        if not self.life.in_backward and self._reaches_parameters():
             self._begin_backward(synced)
+
+    def _reaches_parameters(self) -> bool:
+        """Will the autograd pass in progress accumulate a gradient into one of the trained
+        parameters? loss.backward() will; torch.autograd.grad(out.sum(), x) (a gradient penalty's
+        first half, a saliency map) will not: it is not a backward of the model, and the engine
+        stays out of it, as PyTorch DDP's reducer does. (torch._C._will_engine_execute_node is
+        what PyTorch's own activation checkpointing asks the same question with.)"""
+        return any(torch._C._will_engine_execute_node(node) for node in self._accumulators)
 
     @property
     def require_backward_grad_sync(self) -> bool:
         """PyTorch DDP's flag (nanoGPT sets it per micro-batch): False is the same as no_sync()."""
-        return self._sync
+        return self.life.sync
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
-        self._sync = bool(value)
+        self.life.sync = bool(value)
 
     # -------------------------------------------------------------- what a PyTorch wrapper offers
     @property
@@ -172,45 +256,37 @@ class Engine(Step, EngineState):
     # loss.backward(). Its first hook (on the forward's output, or a parameter's if the output
     # was bypassed) calls _begin_backward, which queues _end_backward to run when autograd has
     # no work left; so when loss.backward() returns every gradient is reduced, as in PyTorch DDP.
-    _in_backward = False        # between a backward's first hook and its end
-    _scaling = False            # inside engine.backward (fp16: the loss was scaled)
-    _unscaled = False           # fp16: a backward ran without engine.backward (refused by step)
-    _guarded = False            # p.grad holds guards (grad_guard) since the last reducing backward
-    _reducing_now = True        # does the backward in progress reduce (outside no_sync)?
-    _sync_buffers_next = True   # broadcast rank 0's buffers at the next forward (PyTorch DDP's rule)
-    reduces_in_no_sync = False  # ZeRO-2 and 3 reduce every backward (no full gradient to keep)
+
+    @property
+    def _in_backward(self) -> bool:
+        return self.life.in_backward
+
+    @property
+    def _reducing_now(self) -> bool:
+        """Does the backward in progress reduce (False inside no_sync, where gradients only add up)?"""
+        return self.life.reducing
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), scaled in fp16: the one thing a bare loss.backward() cannot do. The
         engine's hooks reduce the gradients either way (each reduction divides by N)."""
         scaled = self.precision.scale_loss(loss, step=self.steps)
-        began = self._began = False
-        self._in_backward = False      # a new backward (even on the outputs of an old forward)
-        self._scaling = True
+        life = self.life
+        life.began = False
+        life.forward(True)             # (a backward that raised before is over)
+        life.scaling = True
         try:
             scaled.backward()
-            began = self._began
         finally:
-            self._scaling = False
-        if not began:                  # no hook fired: no parameter of this rank was reached,
-            self._begin_backward(self._sync, queue=False)   # but the other ranks' collectives
-            self._end_backward()                            # need this rank's (zeros) all the same
+            life.scaling = False
+        if not life.began:             # no hook fired: no parameter of this rank was reached,
+            self._begin_backward(life.sync, queue=False)   # but the other ranks' collectives
+            self._end_backward()                           # need this rank's (zeros) all the same
 
     def _begin_backward(self, synced: bool, queue: bool = True) -> None:
         """A backward begins: refuse a misuse before any gradient is touched, reset the reducer's
         per-backward state (engines' _reset_backward_state), queue the end-of-backward callback."""
-        self._in_backward = self._began = True
-        self._reducing_now = (synced and self._sync) or self.reduces_in_no_sync
-        if self.precision.scaler is not None and not self._scaling:
-            self._unscaled = True
         self._take_back_guards()
-        if self._reducing_now and self._reduced and not self.accumulates_after_reduce:
-            raise RuntimeError(
-                f"a second backward on gradients that {type(self).__name__} already reduced, with no "
-                "zero_grad() in between: its reduction cannot add a new backward to them. Call "
-                "zero_grad() (engine.optimizer.zero_grad(), model.zero_grad()) after each step; to "
-                "accumulate over micro-batches, run all but the last backward inside "
-                "`with engine.no_sync():`.")
+        self.life.backward_began(synced)
         self.last_backward = {"start": self.comm.now(), "compute_end": None, "end": None}
         self._exposed = False
         self._reset_backward_state()
@@ -222,55 +298,55 @@ class Engine(Step, EngineState):
         step() may run, and p.grad of a sharded engine holds a guard."""
         if self.last_backward.get("compute_end") is None:
             self.last_backward["compute_end"] = self.comm.now()
-        if self._reducing_now:
+        reducing = self.life.reducing
+        if reducing:
             self._finish_backward()
         self.last_backward["end"] = self.comm.now()
-        self._backward_done = True
-        self._reduced = self._reduced or self._reducing_now
-        self._unreduced = not self._reducing_now and self.world_size > 1
-        if self.sharded and self._reducing_now:   # p.grad is not what this rank updates with
+        if self.sharded and reducing:   # p.grad is not what this rank updates with
             grad_guard.hide(self._trainable(), self)
-            self._guarded = True
-        if self._reducing_now and self.views is not None and not self.precision.policy.needs_master:
+            self.life.guarded = True
+        if reducing and self.views is not None and not self.precision.policy.needs_master:
             self._expose_grads()
-        self._in_backward = False
+        self.life.backward_ended()
 
     def _take_back_guards(self) -> None:
         """Before a backward adds to p.grad: remove the guards. If the script removed them all
         (model.zero_grad(), a torch optimizer's zero_grad(), p.grad = None), it zeroed the
         gradients: drop the ones the engine holds, as zero_grad() does."""
-        if not self._guarded:
+        if not self.life.guarded:
             return
-        kept = grad_guard.count(self._trainable())
-        if kept == 0:
+        kept = self.life.guards_left(grad_guard.count(self._trainable()), len(self._trainable()),
+                                     getattr(self, "stage", "?"))
+        if kept == "zeroed":
             self.zero_grad()
             return
-        if kept < len(self._trainable()):
-            raise RuntimeError(
-                f"p.grad was set to None for some parameters but not others since the last backward: "
-                f"under ZeRO-{getattr(self, 'stage', '?')} the gradients live in the engine, sharded, so "
-                "they can only be zeroed all together: call zero_grad() (engine.optimizer.zero_grad() "
-                "or model.zero_grad()).")
         grad_guard.unhide(self._trainable())
-        self._guarded = False
+        self.life.guarded = False
 
     def _watch_parameters(self) -> None:
         """The end of every engine's construction: a hook on each trainable parameter, run
         BEFORE its gradient is added to p.grad, begins a backward that bypassed the output
-        hook (a loss computed from the parameters themselves, say) before p.grad is touched."""
+        hook (a loss computed from the parameters themselves, say) before p.grad is touched;
+        and each one's gradient accumulator, which _reaches_parameters asks about."""
         self._trainable_params = [p for p in self.model.parameters() if p.requires_grad]
+        self._accumulators = [self._accumulator_of(p) for p in self._trainable_params]
         for p in self._trainable_params:
             p.register_hook(self._param_grad)
 
+    def _accumulator_of(self, p):
+        # (holding it keeps it the one every graph of p uses: autograd keeps it weakly)
+        return get_gradient_edge(p).node
+
     def _param_grad(self, grad):
-        if not self._in_backward:
-            self._begin_backward(self._sync)
+        if not self.life.in_backward:
+            self._begin_backward(self.life.sync)
         return None
 
     def _trainable(self) -> list:
         return self._trainable_params
 
     _trainable_params: list = []
+    _accumulators: list = []
 
     # What an engine's reducer does (the defaults: nothing to reduce, one process).
     def _reset_backward_state(self) -> None:
@@ -287,8 +363,7 @@ class Engine(Step, EngineState):
         self._release_grads()
         self._drop_step_grads()
         grad_guard.unhide(self.model.parameters())
-        self._guarded = False
-        self._backward_done = self._reduced = self._unscaled = self._unreduced = False
+        self.life.zeroed()
 
     def _release_grads(self) -> None:
         self.model.zero_grad(set_to_none=True)
@@ -301,12 +376,12 @@ class Engine(Step, EngineState):
         max_grad_norm= does at every step). Clipping model.parameters() yourself would see only
         this rank's piece, or no gradient at all, in the sharded engines."""
         check_max_grad_norm(max_norm)
-        if max_norm is None or not self._backward_done:
+        if max_norm is None or not self.life.backward_done:
             raise (ValueError("clip_grad_norm_: max_norm must be a number > 0") if max_norm is None else
                    RuntimeError("clip_grad_norm_() called before backward(): there is no gradient to clip"))
         sq = squared_norm([g for g in self._owned_grads() if g is not None])
         total = global_norm(sq, self.comm if self.sharded else None, self.norm_group)
-        self._clip_next = float(max_norm)
+        self.life.clip_next = float(max_norm)
         return total / self.precision.scale    # (1 unless fp16 scales the loss)
 
     def _owned_grads(self) -> list:

@@ -14,8 +14,8 @@ Like DistributedDataParallel it may be built without an optimizer (zl.NaiveDDP(m
 script's own optimizer over engine.parameters() then steps the averaged p.grad.
 
 What every data-parallel engine shares is here, and DDP, ZeRO-1 and ZeRO-2 inherit it:
-the set-up (zerolab.engines.setup.start_data_parallel: checks, the group, ZeRO-R's options),
-the broadcast of rank 0's weights, the measured forward and no_sync.
+the set-up (engines.base.Engine's _join: engines.setup.join_data_parallel's checks, the group,
+ZeRO-R's options, then the broadcast of rank 0's weights), the measured forward and no_sync.
 
 Buffers (BatchNorm's running statistics) are not gradients: each rank's own batches would pull
 them apart. As in PyTorch DDP, the forward that follows a training forward (grad enabled,
@@ -30,12 +30,8 @@ import contextlib
 import torch
 
 from ..buckets import bucket_order
-from ..precision import cast_for_compute
-from . import param_groups
-from .base import Engine
 from . import options
-from .options import EngineOptions
-from .setup import broadcast_from_rank0, compiled_parts, start_data_parallel
+from .base import Engine
 
 
 class NaiveDDP(Engine):
@@ -47,45 +43,8 @@ class NaiveDDP(Engine):
     checkpoint_kind = "naive_ddp"
     takes = options.DATA_PARALLEL   # the option names it takes (zerolab.engines.options)
 
-    def __init__(self, model: torch.nn.Module, optimizer=None, **options):
-        """options: precision, scaler, max_grad_norm, track_peak, track_activations,
-        broadcast_buffers, and ZeRO-R's mesh, checkpoint_activations, partition_activations,
-        offload_activations (zerolab.engines.options says what each does)."""
-        self._start(model, optimizer, options)
-
-    def _start(self, model, optimizer, keywords):
-        """The constructor every data-parallel engine of this family runs (DDP and ZeRO-1/2
-        take more options): options checked, set-up, identical start, storage, optimizer."""
-        opts = EngineOptions.parse(type(self).__name__, self.takes, keywords, getattr(self, "stage", None))
-        self._read_options(opts, model)
-        model, self.compiled = compiled_parts(model)
-        start_data_parallel(self, model, optimizer, opts)
-        # ranks start identical: rank 0's parameters and buffers (frozen ones too)
-        broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), self.comm, self._src)
-        # the optimizer sees the model's parameters, so its parameter groups can tell them apart
-        self.optimizer, state = None, None
-        if optimizer is not None:
-            self.optimizer, state = param_groups.build(optimizer, model, opts.training.precision,
-                                                       self.flat_optimizer)
-        self.params = bucket_order(model)
-        self._setup_storage()
-        if self.optimizer is not None:
-            self._place_groups()
-            param_groups.hand_over(self.optimizer, self, state)
-        elif self.awaits_optimizer:         # FSDP2's order: the script builds it afterwards
-            param_groups.await_optimizer(self)
-        self._watch_parameters()
-
-    def _read_options(self, opts, model) -> None:
-        """The engine's own settings from its checked options, before anything is built (DDP:
-        buckets), and its own checks of them against the model."""
-
-    def _setup_storage(self):
-        if self.precision.policy.needs_master:
-            self.masters = [p.detach().clone().float() for p in self.params]
-            cast_for_compute(self.model, self.precision.compute_dtype)   # (BatchNorm stays fp32)
-        else:
-            self.masters = self.params
+    def _order(self, model) -> list:
+        return bucket_order(model)      # the reverse of the forward: the order gradients arrive
 
     # -------------------------------------------------------------- forward and backward
     @contextlib.contextmanager
@@ -95,11 +54,11 @@ class NaiveDDP(Engine):
         The backward after the block (outside it, of a forward outside it) reduces the
         accumulated sum once.
         """
-        self._sync = False
+        self.life.sync = False
         try:
             yield
         finally:
-            self._sync = True
+            self.life.sync = True
 
     def _finish_backward(self):
         # Which parameters did any rank reach? One no rank reached keeps grad None (the

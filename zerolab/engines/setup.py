@@ -11,7 +11,8 @@
   the model's parameters, or a factory the engine calls on them (either way the engine moves its
   groups onto the tensors it updates: zerolab.engines.param_groups), checked before the model is
   touched and once built; check_no_optimizer: DDP without one, as DistributedDataParallel;
-* start_data_parallel: all of the above, in order, for a data-parallel engine's constructor;
+* join_data_parallel: all of the above, in order, for a data-parallel engine's constructor (a
+  Group the engine keeps);
 * measured_forward: the forward, with the activations it leaves alive counted on request.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import zlib
+from dataclasses import dataclass
 
 import torch
 
@@ -118,6 +120,24 @@ def broadcast_from_rank0(tensors, ledger: Ledger, src: int = 0, tag: str = "setu
 # ------------------------------------------------------------------ the mesh and ZeRO-R options
 
 
+def process_group_from_environment() -> None:
+    """A script started by torchrun that never called init_process_group: start the process group
+    from torchrun's environment, as zl.launch does under torchrun (and deepspeed.init_distributed
+    does), rather than let each rank train alone while it divides its gradients by WORLD_SIZE."""
+    import os
+    import warnings
+    import torch.distributed as dist
+    if dist.is_initialized() or "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    from ..launch.in_place import start_from_environment
+    from ..watchdog import default_timeout
+    start_from_environment(default_timeout())
+    warnings.warn(f"zerolab: RANK and WORLD_SIZE are set (torchrun) but torch.distributed had no process "
+                  f"group: started it from the environment ({dist.get_backend()}, {dist.get_world_size()} "
+                  "ranks). Call torch.distributed.init_process_group() yourself to choose its settings.",
+                  stacklevel=6)     # (the script's line that built the engine)
+
+
 def data_parallel_layout(mesh):
     """(ledger, dp size, dp rank, source rank of the setup broadcasts) for an engine.
 
@@ -126,6 +146,7 @@ def data_parallel_layout(mesh):
     so they must neither be averaged together nor compared with each other.
     """
     if mesh is None:
+        process_group_from_environment()
         return Ledger(), _world_size(), _rank(), 0
     return Ledger(group=mesh.dp_group), mesh.dp, mesh.dp_rank, mesh.dp_ranks[0]
 
@@ -233,39 +254,51 @@ def build_optimizer(optimizer, params, precision: str, flat_engine: str | None =
 # ------------------------------------------------------------------ a data-parallel engine starts
 
 
-def start_data_parallel(engine, model, optimizer, options) -> None:
+@dataclass
+class Group:
+    """Where a data-parallel engine trains (join_data_parallel's answer): its ledger over the
+    ranks it averages over, their number, this rank's place, the rank every rank starts from,
+    the Mesh (ZeRO-R) if any, precision, and ZeRO-R's activation options switched on."""
+
+    comm: Ledger
+    world_size: int
+    rank: int
+    src: int
+    mesh: object
+    precision: object
+    activation_checkpointing: object
+    track_activations: bool
+
+
+def join_data_parallel(engine_class, model, optimizer, options) -> Group:
     """What NaiveDDP, DDP, ZeRO-1/2 and ZeRO-3 do first, in this order: the checks that need the
     model or the optimizer (options are checked already: engines.options), the group to average
-    over, precision, ZeRO-R's activation options, the engine's counters, and the check that every
-    rank wraps the same model with the same settings. The engine then lays out its storage."""
+    over, precision, ZeRO-R's activation options, and the check that every rank wraps the same
+    model with the same settings. The engine keeps what it returns; then it lays out its storage."""
     from ..precision import MixedPrecision
     t, r = options.training, options.residual
+    name = engine_class.__name__
     options.check_model(model)
-    if optimizer is None and engine.takes_no_optimizer:
-        check_no_optimizer(type(engine).__name__, t.precision, t.max_grad_norm)
-    elif optimizer is None and engine.awaits_optimizer:
+    if optimizer is None and engine_class.takes_no_optimizer:
+        check_no_optimizer(name, t.precision, t.max_grad_norm)
+    elif optimizer is None and engine_class.awaits_optimizer:
         pass                     # FSDP2's order: the script's optimizer is checked when adopted
     else:                        # (before the model is touched)
         if optimizer is None:
-            raise TypeError(f"{type(engine).__name__} needs an optimizer: it keeps the optimizer state "
+            raise TypeError(f"{name} needs an optimizer: it keeps the optimizer state "
                             "(sharded) and steps it. Pass one built on model.parameters(), or a factory "
                             "such as functools.partial(torch.optim.AdamW, lr=3e-4).")
-        check_optimizer_factory(optimizer, t.precision, engine.flat_optimizer)
-    engine.options = options
-    engine.mesh = r.mesh
-    engine.comm, engine.world_size, engine.rank, engine._src = data_parallel_layout(r.mesh)
-    engine.precision = MixedPrecision(t.precision, scaler=t.scaler, ledger=engine.comm)
-    engine.activation_checkpointing = enable_residual(model, r.mesh, r.checkpoint_activations,
-                                           r.partition_activations, r.offload_activations)
-    # measuring activations costs an allocation tracker around every forward: on by default
-    # only where ZeRO-R is in use (a mesh or checkpointing); None in the report otherwise
-    engine.track_activations = (r.mesh is not None or r.checkpoint_activations) \
-        if t.track_activations is None else t.track_activations
-    engine.model, engine.max_grad_norm, engine.track_peak = model, t.max_grad_norm, t.track_peak
-    engine.broadcast_buffers = t.broadcast_buffers
-    engine.steps, engine.last_peak, engine.last_grad_norm, engine.last_activations = 0, 0, None, None
-    engine.last_backward = {}
-    check_same_model(model, engine.comm, engine._src, {"engine": type(engine).__name__, **options.settings()})
+        check_optimizer_factory(optimizer, t.precision, engine_class.flat_optimizer)
+    comm, world_size, rank, src = data_parallel_layout(r.mesh)
+    group = Group(
+        comm, world_size, rank, src, r.mesh, MixedPrecision(t.precision, scaler=t.scaler, ledger=comm),
+        enable_residual(model, r.mesh, r.checkpoint_activations, r.partition_activations,
+                        r.offload_activations),
+        # measuring activations costs an allocation tracker around every forward: on by default
+        # only where ZeRO-R is in use (a mesh or checkpointing); None in the report otherwise
+        (r.mesh is not None or r.checkpoint_activations) if t.track_activations is None else t.track_activations)
+    check_same_model(model, comm, src, {"engine": name, **options.settings()})
+    return group
 
 
 def compiled_parts(model):

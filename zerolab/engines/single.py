@@ -20,12 +20,10 @@ import contextlib
 import torch
 
 from ..comm import Ledger
-from ..precision import MixedPrecision, cast_for_compute
-from .base import Engine
-from . import param_groups
+from ..precision import MixedPrecision
 from . import options
-from .options import EngineOptions
-from .setup import check_optimizer_factory, compiled_parts
+from .base import Engine
+from .setup import check_optimizer_factory
 
 
 class SingleProcess(Engine):
@@ -33,41 +31,16 @@ class SingleProcess(Engine):
 
     takes = options.SINGLE      # precision, scaler, max_grad_norm, track_peak
 
-    def __init__(self, model: torch.nn.Module, optimizer, **keywords):
-        opts = EngineOptions.parse(type(self).__name__, self.takes, keywords)
-        precision, max_grad_norm = opts.training.precision, opts.training.max_grad_norm
-        scaler, track_peak = opts.training.scaler, opts.training.track_peak
+    def _join(self, model, optimizer, opts) -> None:
+        """One process: nothing to join, nothing moves (a ledger all the same, as every engine has)."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        self.options = opts
-        model, self.compiled = compiled_parts(model)
-        check_optimizer_factory(optimizer, precision)     # before the model is touched
-        self.world_size = 1
-        self.comm = Ledger()  # one process: nothing moves, but engines share the interface
+        check_optimizer_factory(optimizer, opts.training.precision)     # before the model is touched
+        self.world_size, self.rank = 1, 0
+        self.comm = Ledger()
         # No ledger for the precision checks: the reference must never talk to other ranks,
         # even when it runs inside a multi-rank job (its verdicts are this process's own).
-        self.precision = MixedPrecision(precision, scaler=scaler, ledger=None)
-        self.model = model
-        self.max_grad_norm = max_grad_norm
-        self.track_peak = track_peak
-        self.steps = 0          # step() calls so far, applied or skipped
-        self.last_peak = 0
-        self.last_grad_norm = None
-        self.last_activations = None   # not tracked by the reference engine (the others can)
-
-        # model.parameters() yields a tied weight once, so it gets one master and one optimizer slot
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        if self.precision.policy.needs_master:
-            # masters first, from the exact fp32 values; then the model becomes low precision
-            self.masters = [p.detach().clone().float() for p in self.params]
-            cast_for_compute(model, self.precision.compute_dtype)   # (BatchNorm stays fp32)
-        else:
-            self.masters = self.params
-        # the optimizer sees the model's parameters (its groups too); each then steps on its master
-        self.optimizer, state = param_groups.build(optimizer, model, precision)
-        self._place_groups()
-        param_groups.hand_over(self.optimizer, self, state)
-        self._watch_parameters()
+        self.precision = MixedPrecision(opts.training.precision, scaler=opts.training.scaler, ledger=None)
 
     # forward, backward, the step, full_state_dict, memory_report: Engine's, for one master
     # per parameter

@@ -97,7 +97,7 @@ class Step:
         finally:
             self._close_step()
         self.steps += 1
-        self._backward_done = False     # (_reduced stays until zero_grad: see _begin_backward)
+        self.life.stepped()
 
     _foreach_set: list = []             # groups whose foreach this step set (use_foreach)
 
@@ -112,32 +112,9 @@ class Step:
             self.last_peak = peak.peak
 
     def _check_step(self, optimizer) -> None:
-        """Refuse a step whose gradients are not what it should apply."""
-        if self.optimizer is None:
-            raise RuntimeError(
-                f"{type(self).__name__} was built without an optimizer, as DistributedDataParallel is: "
-                "step your own (built on engine.parameters()) after loss.backward(); the gradients "
-                "in p.grad are already averaged over ranks.")
-        if getattr(optimizer, "found_inf", None) is not None:     # torch.amp.GradScaler.step()
-            raise RuntimeError(
-                f"torch.amp.GradScaler with precision={self.precision.name!r}: the engine keeps fp32 "
-                "master weights and, in fp16, scales the loss itself. Drop the GradScaler and use "
-                "precision='fp16' with engine.backward(loss) (or precision='bf16', which needs no "
-                "scaling); a GradScaler fits precision='fp32' under your own autocast.")
-        if not self._backward_done:
-            raise RuntimeError("step() called before backward(): there is no gradient to apply. "
-                               "Call loss.backward() (or engine.backward(loss)) first, on every rank.")
-        if self._unscaled:
-            raise RuntimeError(
-                "precision='fp16' needs engine.backward(loss): it multiplies the loss by the loss "
-                "scale before backward, and a bare loss.backward() skipped that (its small gradients "
-                "may have flushed to zero, and step() would divide by a scale never applied). "
-                "Call engine.zero_grad(), then use engine.backward(loss); or build the engine with "
-                "scaler=False to train fp16 without loss scaling.")
-        if self._unreduced:
-            raise RuntimeError(
-                "step() after a backward inside no_sync(): those gradients were never averaged over "
-                "ranks. Run the last micro-batch's forward and backward outside no_sync().")
+        """Refuse a step whose gradients are not what it should apply (engines.lifecycle)."""
+        self.life.check_step(self.optimizer is not None, getattr(optimizer, "found_inf", None) is not None,
+                             self.precision.name)
 
     def _start_step(self) -> None:
         """The first thing a step does once it is accepted (ZeRO-3 releases gathered units;
@@ -154,7 +131,7 @@ class Step:
             except FloatingPointError as gave_up:
                 raise FloatingPointError(f"{gave_up} {self._diagnose()}") from None
             return False
-        max_norm, self._clip_next = self._clip_next or self.max_grad_norm, None
+        max_norm, self.life.clip_next = self.life.clip_next or self.max_grad_norm, None
         if max_norm is not None:
             self._clip(grads, max_norm)
         self._hand_grads()

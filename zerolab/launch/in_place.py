@@ -52,15 +52,21 @@ def run_in_place(fn, args, world_size_, collective_timeout, timeout=None):
                   f"the world_size={world_size_} argument is ignored.")
     _warn_if_the_store_is_open()
     if not dist.is_initialized():
-        backend = backend_for_this_node()
-        if backend == NCCL_WITH_CPU:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=2 * collective_timeout))
+        start_from_environment(collective_timeout)
     with _deadline(timeout):
         value = fn(*args)
         values = [None] * dist.get_world_size()
         dist.all_gather_object(values, value)
     return values
+
+
+def start_from_environment(collective_timeout: float) -> None:
+    """torch.distributed's process group, from torchrun's environment (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT), on this node's backend (backend_for_this_node)."""
+    backend = backend_for_this_node()
+    if backend == NCCL_WITH_CPU:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=2 * collective_timeout))
 
 
 def nccl_fits(ranks: int) -> bool:

@@ -51,11 +51,10 @@ import torch.nn as nn
 
 from ...memory import optimizer_tensors
 from ...precision import fp32_where_buffers
-from .. import options, param_groups
+from .. import options
 from ..base import Engine
 from ..param_views import ParamViews
-from ..options import EngineOptions
-from ..setup import broadcast_from_rank0, compiled_parts, start_data_parallel
+from ..setup import broadcast_from_rank0, join_data_parallel
 from ..state import flat_segments
 from . import zeropp
 from .schedule import UnitSchedule
@@ -96,10 +95,10 @@ class ZeRO3(UnitSchedule, Engine):
     takes = options.ZERO_3      # the data-parallel options, units', and ZeRO++ / HSDP's
     unit_class = Unit           # what the model is cut into (offload="disk": DiskUnit; the labs': yours)
 
-    def __init__(self, model: nn.Module, optimizer=None, **keywords):
-        opts = EngineOptions.parse(type(self).__name__, self.takes, keywords, self.stage)
-        self._read_options(opts, model)
-        model, compiled = compiled_parts(model)
+    def _join(self, model, optimizer, opts) -> None:
+        """The data-parallel group (engines.setup.join_data_parallel), how units' collectives
+        travel (zeropp.Route), and which modules are the units. No parameter is broadcast here:
+        each unit starts from rank 0's values as it is built (_lay_out)."""
         in_place = [n or type(model).__name__ for n, m in model.named_modules()
                     if getattr(m, "_compiled_call_impl", None) is not None] if isinstance(model, nn.Module) else []
         if in_place:
@@ -114,7 +113,8 @@ class ZeRO3(UnitSchedule, Engine):
             raise ValueError("the model is on the meta device: pass init_fn(name, module) to "
                              "initialise its parameters unit by unit")
         self.prefetch = layout.prefetch
-        start_data_parallel(self, model, optimizer, opts)
+        self._keep(join_data_parallel(type(self), model, optimizer, opts))
+        self.broadcast_buffers = opts.training.broadcast_buffers
         self.bucket_mb = float(layout.bucket_mb)
         # how units' collectives travel; HSDP shards over a node, so a unit's shard index is the
         # rank in the node (engine.rank stays the global rank: the loss is still divided by N)
@@ -130,30 +130,27 @@ class ZeRO3(UnitSchedule, Engine):
         self._bwd_order: list = []      # the order backward will need them
         self._fwd_counts = None
         self._reducing: list = []       # units whose reduce-scatter is in flight, oldest first
+        self._found, self.note = find_units(model, layout.units)
+        if self.note:
+            warnings.warn(self.note, stacklevel=3)
+        if self.compiled is not None:   # each unit's forward compiled; the model's runs eagerly
+            self._compile_units(self._found, self.compiled)
+            self.compiled = None
+        self._init_fn = layout.init_fn
 
-        found, note = find_units(model, layout.units)
-        if note:
-            warnings.warn(note, stacklevel=2)
-        self.note = note
-        if compiled is not None:
-            self._compile_units(found, compiled)
-        # the factory sees the model's parameters (its groups can tell them apart) ...
-        self.optimizer, state = None, None
-        if optimizer is not None:
-            self.optimizer, state = param_groups.build(optimizer, model, opts.training.precision,
-                                                       self.flat_optimizer)
+    def _lay_out(self, model) -> None:
+        """One Unit per group of parameters (_build_units); the optimizer, built on the model's
+        parameters (meta ones included), then steps a view per parameter of this rank's shards."""
         self._replaced: dict = {}       # id(meta parameter) -> the parameter that replaced it
-        self._build_units(found, layout.init_fn, self._replaced)
-        # ... and steps one view per parameter of this rank's fp32 shard of each unit
+        self._build_units(self._found, self._init_fn, self._replaced)
         self.masters = [u.master for u in self.units if u.master is not None]
-        if self.optimizer is not None:
-            self._place_groups()
-            param_groups.hand_over(self.optimizer, self, state)
-        else:                           # FSDP2's order: the script builds it afterwards
-            param_groups.await_optimizer(self)
+
+    def _accumulator_of(self, p):
+        return self.param_unit[id(p)].accumulators[id(p)]   # (taken while the unit was whole)
+
+    def _ready(self) -> None:
         self._install_hooks()
-        fp32_where_buffers(model, self.precision.compute_dtype)   # after the units' hooks: BatchNorm in fp32
-        self._watch_parameters()
+        fp32_where_buffers(self.model, self.precision.compute_dtype)   # after the units' hooks: BatchNorm in fp32
         self.comm.reset()               # setup traffic is not a training step's traffic
 
     # -------------------------------------------------------------- reading the full weights

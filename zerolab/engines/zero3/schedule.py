@@ -27,6 +27,8 @@ class UnitSchedule:
     """The hooks of ZeRO3 (see the module docstring). Expects units, prefetch, comm, rank and
     the order bookkeeping set up by ZeRO3.__init__."""
 
+    _held_for_graph = False     # an autograd pass that was not a backward went through the units
+
     # -------------------------------------------------------------- the lifecycle (units.Unit)
     def _event(self, u, state, phase=""):
         self.events.append(Event(self.comm.now(), self.rank, u.name, state, phase))
@@ -89,7 +91,8 @@ class UnitSchedule:
         def hook(module, args, output):
             if u.in_backward:           # a recompute inside backward: keep the unit gathered
                 return None
-            u.release("forward")
+            if not self._held_for_graph:
+                u.release("forward")
             self._done_order.append(u)
             if torch.is_grad_enabled():
                 outs = [t for t in tensors_in(output) if t.requires_grad]
@@ -101,6 +104,7 @@ class UnitSchedule:
         return hook
 
     def _start_forward(self):
+        self._held_for_graph = False
         if self._cur_order:
             self._fwd_order = self._dedupe(self._cur_order)
         self._cur_order, self._done_order = [], []
@@ -134,8 +138,17 @@ class UnitSchedule:
                                "Every rank must call every unit the same number of times.")
 
     def _pre_backward(self, u):
-        if not self._in_backward:       # the first hook of this backward (the root's output):
-            self._begin_backward(True)  # the end-of-backward callback is queued (Engine)
+        if not self._in_backward:
+            if self._reaches_parameters():  # the first hook of a backward (the root's output):
+                self._begin_backward(True)  # the end-of-backward callback is queued (Engine)
+            else:
+                # torch.autograd.grad(out.sum(), x, create_graph=True), a gradient penalty's first
+                # half: not a backward of the model, but its graph holds the gathered weights it
+                # went through, and the backward to come will read them there. Every unit stays
+                # gathered until that backward ends (_finish_backward), or until the next forward
+                # (which gathers and releases each unit as usual: a penalty is taken on the
+                # forward it belongs to)
+                self._held_for_graph = True
         if u.reduced:
             return
         if not u.in_backward:
@@ -172,7 +185,8 @@ class UnitSchedule:
         if "train" in u.buckets:
             u.reduce_scatter()
             self._reducing.append(u)
-        u.release("backward")
+        if not self._held_for_graph:
+            u.release("backward")
         # at most two full unit gradients in flight: the older ones have had a whole unit's
         # backward to finish, so waiting for them here costs (almost) nothing and frees them
         while len(self._reducing) > 1:
@@ -185,6 +199,7 @@ class UnitSchedule:
                 self._post_backward(u)
         for u in self.units:            # nothing stays gathered past backward: the step changes it
             u.release("backward")
+        self._held_for_graph = False
         # which parameters got a gradient on ANY rank (the others keep no gradient, as in one
         # process) and did every rank reduce the same units?
         flags = []

@@ -25,6 +25,7 @@ from collections import namedtuple
 
 import torch
 import torch.nn as nn
+from torch.autograd.graph import get_gradient_edge
 
 from ...buckets import Bucket
 from ...memory import PeakMemory
@@ -115,6 +116,7 @@ class Unit:
         self.grad_full = None           # full gradient while backward produces it
         self.grad_shard = None          # this rank's reduced gradient, until zero_grad
         self.unused_positions = None    # train positions no backward reached since zero_grad
+        self.accumulators = {}          # id(trainable parameter) -> its autograd gradient accumulator
         self._rs = None                 # (handle, output) of a reduce-scatter in flight
         self.reset_backward()
 
@@ -183,6 +185,8 @@ class Unit:
             self.buckets[kind] = b
             self.full[kind] = b.data
             self.shard[kind] = b.data[b.shard(rank)].clone()
+            if kind == "train":               # each one's gradient accumulator, taken while its
+                self.accumulators = {id(p): get_gradient_edge(p).node for p in b.params}   # values exist
             _storage_free(b.data)             # from now on this rank holds only its shard
         self.params = [p for b in self.buckets.values() for p in b.params]
         _mark_released(self.params, True)
