@@ -210,6 +210,28 @@ def test_the_save_directory_probe_is_removed_when_a_rank_dies(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_sigterm_during_a_save_runs_its_clean_up_unless_the_program_handles_it_itself():
+    import signal
+
+    from zerolab.checkpoint.atomic import signals_held, stopping_cleanly
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    with pytest.raises(SystemExit) as stopped:
+        with stopping_cleanly():
+            os.kill(os.getpid(), signal.SIGTERM)     # (the default would end this process here)
+    assert stopped.value.code == 143 and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        with stopping_cleanly():                     # a job that saves when preempted keeps its handler
+            os.kill(os.getpid(), signal.SIGTERM)
+            with signals_held():                     # and a clean-up is not interrupted: held, then delivered
+                os.kill(os.getpid(), signal.SIGTERM)
+                assert seen == [signal.SIGTERM]
+        assert seen == [signal.SIGTERM, signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 # ------------------------------------------------------------------ no link followed
 
 
@@ -345,6 +367,16 @@ def test_crafted_metadata_is_refused_before_it_is_parsed(saved, sealed, words):
         error, peak = _peak_python_bytes(call)
         assert peak < len(raw) + (2 << 20), f"{peak / 2**20:.1f} MiB for a {len(raw) / 2**20:.1f} MiB file"
         assert error is not None and str(error).startswith(f"{meta}: ") and words in str(error), error
+
+
+def test_a_checkpoint_of_the_format_before_is_named_as_such(saved):
+    # format 2 sealed its metadata by a digest over the parsed JSON: checking it meant parsing first
+    meta = json.loads((saved / "metadata.json").read_bytes())
+    meta["format"] = 2
+    (saved / "metadata.json").write_text(json.dumps(meta, indent=1))
+    with pytest.raises(checkpoint.CheckpointError, match=r"metadata.json: written by an older zerolab "
+                                                         r"\(checkpoint format 2\); this version reads format 3"):
+        checkpoint.consolidate(saved)
 
 
 def _values(node):

@@ -160,7 +160,9 @@ def load(engine, path) -> dict:
     Same world size and engine: the run continues bit for bit as if it had never stopped (RNG
     states included). Another world size or stage: parameters and optimizer state are
     resharded from the metadata (step counts, scaler and `extra` come from rank 0's shard).
-    Every rank of the engine must call load.
+    Every rank of the engine must call load, with the same checkpoint: the ranks compare its step
+    and digest first, and refuse together (naming each rank's directory and step) if they differ;
+    a checkpoint that any rank refuses changes no rank.
     """
     path = _check_path(path)
     kind = _kind(engine)

@@ -15,7 +15,8 @@ umask: 0644 usually).
     with signals_held():         # the clean-up itself is not cut short by a second SIGTERM or Ctrl-C
 
 zl.launch and torchrun stop the other ranks of a job with SIGTERM when one fails; Python's default
-for SIGTERM ends the process at once, without running any clean-up.
+for SIGTERM ends the process at once, without running any clean-up. (A program with a SIGTERM
+handler of its own keeps it: it decides.)
 """
 
 from __future__ import annotations
@@ -79,8 +80,10 @@ def _main_thread() -> bool:
 @contextlib.contextmanager
 def stopping_cleanly():
     """Inside the block, SIGTERM raises SystemExit (143) instead of ending the process at once,
-    so that clean-up code runs; outside, SIGTERM does what it did before."""
-    if not _main_thread() or getattr(_held_here, "depth", 0):
+    so that clean-up code runs; outside, SIGTERM does what it did before. A handler of the
+    program's own (a job that saves when it is preempted) is left in charge."""
+    if not _main_thread() or getattr(_held_here, "depth", 0) or \
+            signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
         yield
         return
 
