@@ -214,14 +214,14 @@ def test_sigterm_during_a_save_runs_its_clean_up_unless_the_program_handles_it_i
     import signal
 
     from zerolab.checkpoint.atomic import signals_held, stopping_cleanly
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-    with pytest.raises(SystemExit) as stopped:
-        with stopping_cleanly():
-            os.kill(os.getpid(), signal.SIGTERM)     # (the default would end this process here)
-    assert stopped.value.code == 143 and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-    seen = []
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)     # (as in a rank; zl.launch's parent has its own)
     try:
+        with pytest.raises(SystemExit) as stopped:
+            with stopping_cleanly():
+                os.kill(os.getpid(), signal.SIGTERM)     # (the default would end this process here)
+        assert stopped.value.code == 143 and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        seen = []
+        signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
         with stopping_cleanly():                     # a job that saves when preempted keeps its handler
             os.kill(os.getpid(), signal.SIGTERM)
             with signals_held():                     # and a clean-up is not interrupted: held, then delivered
