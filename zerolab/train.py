@@ -217,10 +217,12 @@ def _follow_progress(queue, total, stop):
     """Parent side: draw the progress bar from rank 0's messages."""
     bar = _bar(total)
     done = 0
-    while done < total and not stop.is_set():
+    while done < total:
         try:
             step, loss = queue.get(timeout=0.2)
         except Exception:  # queue.Empty, or the queue closed under us
+            if stop.is_set():
+                break      # (only once the queue is empty: rank 0's last steps are drawn too)
             continue
         bar.update(step - done)
         bar.set_postfix(loss=f"{loss:.3f}")
