@@ -90,14 +90,13 @@ class Cluster:
         return self.nics_per_node * self.nic.bandwidth_Bps
 
 
-# Efficiencies, the two constants fitted to nothing in the comparison table:
+# Efficiencies, each set from one published figure (zerolab.book.cost_checks keeps the rows that restate them apart):
 # - NVLink: "Each NVLink has a line rate of 25GB/s (in each direction) which converts to ~20GB/s
 #   effective bandwidth with a 128B payload size" (S. Jeaugey, NCCL's maintainer, NVIDIA/nccl-tests
 #   issue 149, 2023): 20 / 25.
 # - network: "For NDR @ 400Gbps you should see 46-48GB/s per NIC" (D. Addison, NVIDIA,
 #   NVIDIA/nccl-tests issue 290, 2025): 47 / 50.
-NVLINK_EFFICIENCY = 20 / 25
-NIC_EFFICIENCY = 47 / 50
+NVLINK_EFFICIENCY, NIC_EFFICIENCY = 20 / 25, 47 / 50
 # Latencies: NCCL 2.28's tuning model (the version the book's GPU box ran, 2.28.9: src/graph/tuning.cc,
 # ncclTunerConstantsDefaults, bulk "Simple" protocol): 8.4 us per collective call, 3.4 us per ring
 # step over NVLink (4.0 us per tree step), 14 us per step over the network (ring and tree). They
@@ -153,7 +152,8 @@ def assumption_rows(cluster: Cluster) -> list[tuple[str, str]]:
     """(what, value) for each hardware figure a cluster's estimates rest on, for the chapters' tables."""
     def link(lk: Link) -> str:
         return (f"{lk.name}: {lk.line_rate_Bps / 1e9:g} GB/s line rate x {lk.efficiency:.2f} = "
-                f"{lk.bandwidth_Bps / 1e9:.0f} GB/s each way, {lk.alpha_s * 1e6:g} µs per ring step")
+                f"{lk.bandwidth_Bps / 1e9:.0f} GB/s each way, {lk.alpha_s * 1e6:g} µs per ring step"
+                + (f" ({lk.tree_alpha_s * 1e6:g} per tree step)" if lk.tree_alpha_s not in (None, lk.alpha_s) else ""))
     return [("GPUs per node", f"{cluster.gpus_per_node}"),
             ("each GPU's NVLink", link(cluster.nvlink)),
             ("each network card", link(cluster.nic)),
