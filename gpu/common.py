@@ -70,3 +70,44 @@ def write_json(path: str, payload: dict) -> None:
     with open(path, "w") as f:
         json.dump(out, f, indent=1, sort_keys=False, default=str)
         f.write("\n")
+
+
+def settle(dev, empty_cache: bool = True) -> int:
+    """Bytes the CUDA allocator holds once nothing collectable is left: collect Python's garbage
+    (an engine's reference cycles free its buffers only then), wait for the GPU, optionally return
+    cached blocks. Every memory figure of gpu/ is taken after it, so none depends on when the
+    garbage collector happened to run."""
+    import gc
+    gc.collect()
+    torch.cuda.synchronize(dev)
+    if empty_cache:
+        torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(dev)
+
+
+def state_bytes(engine=None, module=None, optimizer=None) -> int | None:
+    """The model states an engine holds, each storage counted once: zerolab's own count
+    (engine.memory_report()), else the module's parameters (a DTensor's local shard), their
+    gradients and the optimizer's state tensors. Buffers an engine keeps elsewhere (PyTorch DDP's
+    gradient buckets) are not reachable from those and not counted; DeepSpeed's flat buffers
+    neither, so it gets None."""
+    if engine is not None and hasattr(engine, "memory_report"):
+        return int(engine.memory_report()["total"])
+    if module is None:
+        return None
+    storages = {}
+
+    def add(t):
+        if t is None:
+            return
+        t = t.to_local() if hasattr(t, "to_local") else t
+        s = t.untyped_storage()
+        storages[(s.device, s.data_ptr())] = s.nbytes()
+    for p in module.parameters():
+        add(p)
+        add(p.grad)
+    for state in (optimizer.state.values() if optimizer is not None else ()):
+        for v in state.values():
+            if torch.is_tensor(v):
+                add(v)
+    return sum(storages.values())

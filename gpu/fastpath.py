@@ -91,14 +91,14 @@ def build(name, model, compiled, batch, dev):
 
 
 def fastpath_worker(cfg_name, batch, names, compiled, warmup, steps, jsonl):
+    from gpu.common import settle
     dev = compute_device()
     cfg = bench_cfg(cfg_name)
+    start = settle(dev)
     for name in names:
         row = {"engine": name + (" compiled" if compiled else ""), "compiled": compiled}
-        gc.collect()
-        torch.cuda.empty_cache()
         torch._dynamo.reset()
-        base = torch.cuda.memory_allocated(dev)
+        base = settle(dev)          # as gpu.workers.bench_worker: garbage collected first
         try:
             torch.manual_seed(0)
             model = GPT(cfg).to(dev)
@@ -113,7 +113,7 @@ def fastpath_worker(cfg_name, batch, names, compiled, warmup, steps, jsonl):
                 bwd(loss)
                 stp()
                 zero()
-                return loss
+                return loss.item()       # a float: no tensor of this row outlives it
             first = []
             for s in range(warmup):
                 t = time.perf_counter()
@@ -128,12 +128,16 @@ def fastpath_worker(cfg_name, batch, names, compiled, warmup, steps, jsonl):
                 loss = one(s)
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t)
-            row.update(ok=True, psi=psi, warmup_s=first, times=times, loss=loss.item(),
-                       peak_bytes=torch.cuda.max_memory_allocated(dev) - base)
+            row.update(ok=True, psi=psi, warmup_s=first, times=times, loss=loss,
+                       peak_abs=torch.cuda.max_memory_allocated(dev))
             del fwd, bwd, stp, zero, one
         except Exception as e:  # noqa: BLE001 - a row that cannot run here is reported, not fatal
             row.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
                        where=traceback.format_exc()[-1500:])
+        after = settle(dev)
+        row.update(leftover_bytes=base - start, after_bytes=after - start)
+        if row["ok"]:      # against the level with no engine alive (see gpu.workers.bench_worker)
+            row["peak_bytes"] = row.pop("peak_abs") - min(base, after)
         with open(jsonl, "a") as f:
             f.write(json.dumps(row) + "\n")
         print(f"{row['engine']:32s} " + (f"median {statistics.median(row['times']) * 1e3:7.1f} ms, first steps "

@@ -12,6 +12,7 @@ host memory and back over PCIe, beside the card's measured pinned copy rates.
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 
 import torch
@@ -50,12 +51,15 @@ def main(outdir):
                 entry["rows"][name] = {"ok": False, "error": next(x["error"] for x in rows if not x["ok"])}
                 print(f"world {n} {name:20s} FAILED {entry['rows'][name]['error']}")
                 continue
-            row = {"ok": True, "step_ms": max(x["step_ms"] for x in rows),
+            steps = [max(x["times"][i] for x in rows) * 1e3 for i in range(len(rows[0]["times"]))]   # slowest rank
+            row = {"ok": True, "step_ms": statistics.median(steps), "step_ms_min": min(steps),
+                   "step_ms_max": max(steps), "times_ms": steps,
                    "peak_bytes_per_rank": None if rows[0]["peak"] is None else max(x["peak"] for x in rows),
                    "offloaded_bytes_per_step_per_rank": max(x["offloaded_bytes_per_step"] for x in rows)}
             entry["rows"][name] = row
             peak = "n/a" if row["peak_bytes_per_rank"] is None else f"{row['peak_bytes_per_rank'] / 1e9:.2f} GB"
-            print(f"world {n} {name:20s} step {row['step_ms']:7.1f} ms  peak/rank {peak}  offloaded "
+            print(f"world {n} {name:20s} step {row['step_ms']:7.1f} ms ({row['step_ms_min']:.0f}-"
+                  f"{row['step_ms_max']:.0f})  peak/rank {peak}  offloaded "
                   f"{row['offloaded_bytes_per_step_per_rank'] / 1e6:.2f} MB/step/rank")
         result["runs"][f"world{n}"] = entry
     write_json(os.path.join(outdir, "offload.json"), result)

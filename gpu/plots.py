@@ -8,6 +8,7 @@ import sys
 
 
 def plot_bench(results_dir):
+    from zerolab.book import gpu_results as gr
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -20,16 +21,20 @@ def plot_bench(results_dir):
     width = 0.8 / len(reps)
     for i, rows in enumerate(w1):
         by = {r["engine"]: r for r in rows}
-        a.barh([j + i * width for j in range(len(names))], [by[n]["mfu"] * 100 for n in names], height=width,
+        a.barh([j + i * width for j in range(len(names))], [gr.mfu(by[n], reps[i]) * 100 for n in names], height=width,
                label=f"repetition {i + 1}")
     a.set_yticks([j + width * (len(reps) - 1) / 2 for j in range(len(names))], names, fontsize=7)
     a.invert_yaxis()
-    a.set_xlabel("MFU (%) of the measured bf16 matmul rate", fontsize=8)
+    a.set_xlabel("MFU (%): model FLOPs/s over the datasheet's 989 TFLOP/s", fontsize=8)
     a.set_title(f"world 1 (NCCL), {w1[0][0]['psi'] / 1e6:.0f} M-parameter GPT, bf16", fontsize=8)
     a.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
     rows = w1[0]
-    b.barh(range(len(rows)), [r["peak_bytes"] / 1e9 for r in rows], color="tab:blue", label="peak allocated")
-    b.barh(range(len(rows)), [r["held_bytes"] / 1e9 for r in rows], color="tab:green", label="held between steps")
+    mem = gr.world1_memory(reps[0])      # measured, or re-derived where the level moved (hatched)
+    hatch = ["//" if mem[r["engine"]][2] else "" for r in rows]
+    b.barh(range(len(rows)), [mem[r["engine"]][1] / 1e9 for r in rows], color="tab:blue", hatch=hatch,
+           label="peak allocated")
+    b.barh(range(len(rows)), [mem[r["engine"]][0] / 1e9 for r in rows], color="tab:green", hatch=hatch,
+           label="held (hatched: re-derived)")
     b.scatter([r["formula_model_state_bytes"] / 1e9 for r in rows], range(len(rows)), color="k", marker="|", s=200,
               label="formula (model states)", zorder=3)
     b.set_yticks(range(len(rows)), [r["engine"] for r in rows], fontsize=7)

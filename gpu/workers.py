@@ -179,29 +179,34 @@ BENCH_ENGINES = ("zl.DDP", "zl.ZeRO-1", "zl.ZeRO-2", "zl.ZeRO-3", "zl.ZeRO-3 pre
 def bench_worker(cfg_name, batch, bucket_mb, warmup, steps, engines=BENCH_ENGINES):
     """Each engine built ALONE (fresh allocator stats), warmed up, then timed with CUDA events.
 
-    Memory: torch.cuda.max_memory_allocated over the timed steps (peak), memory_allocated at a
-    step's start (held). Time: median step (forward, backward, step, zero_grad), synchronised.
+    Time: median step (forward, backward, step, zero_grad), synchronised. Memory, every figure taken
+    after gpu.common.settle (garbage collected, GPU idle), against the allocator's level when no
+    engine is alive: the lower of its level before the engine was built and after it was deleted
+    (a previous engine whose buffers are freed only during this one's run moves the first; this
+    one's leftovers would move the second; both are recorded, as leftover_bytes and after_bytes,
+    beside the level at the bench's start). held: allocated when a step begins (gradients freed by
+    zero_grad); peak: torch.cuda.max_memory_allocated over the timed steps; state_bytes: the model
+    states counted storage by storage (gpu.common.state_bytes), None where they cannot be reached.
     """
-    import gc
+    from gpu.common import settle, state_bytes
     rank, n = dist.get_rank(), dist.get_world_size()
     dev = compute_device()
     cfg = bench_cfg(cfg_name)
     cuda = dev.type == "cuda"
     rows = {}
+    start = settle(dev) if cuda else None
     for name in engines:
         row = {"engine": name}
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-            base = torch.cuda.memory_allocated(dev)
+        base = settle(dev) if cuda else None
         try:
             torch.manual_seed(0)
             model = GPT(cfg).to(dev)
             psi = sum(p.numel() for p in model.parameters())
-            autocast = False
+            autocast, counted = False, {}
             if name.startswith("zl."):
                 eng = make_engine(name, model, "bf16", bucket_mb)
                 fwd, bwd, stp = eng, eng.backward, eng.step
+                counted = {"engine": eng}
 
                 def zero():
                     eng.zero_grad()
@@ -214,6 +219,7 @@ def bench_worker(cfg_name, batch, bucket_mb, warmup, steps, engines=BENCH_ENGINE
             else:
                 m, opt, autocast = _peer(name, model, bucket_mb, dev)
                 fwd, bwd, stp = m, (lambda loss: loss.backward()), opt.step
+                counted = {"module": m, "optimizer": opt}
 
                 def zero():
                     opt.zero_grad(set_to_none=True)
@@ -226,44 +232,42 @@ def bench_worker(cfg_name, batch, bucket_mb, warmup, steps, engines=BENCH_ENGINE
                 bwd(loss)
                 stp()
                 zero()
-                return loss
+                return loss.item()
             for s in range(warmup):
                 one(s)
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats(dev)
             dist.barrier()
-            held = torch.cuda.memory_allocated(dev) - base if cuda else None
+            held = settle(dev, empty_cache=False) if cuda else None
+            state = state_bytes(**counted) if counted else None
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(dev)
             times = []
             for s in range(warmup, warmup + steps):
                 dist.barrier()
                 if cuda:
                     torch.cuda.synchronize()
                 t = time.perf_counter()
-                loss = one(s)
+                loss = one(s)       # a float: no tensor of this engine outlives its row
                 if cuda:
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t)
-            row.update(ok=True, psi=psi, times=times, loss=loss.item(), held=held,
-                       peak=(torch.cuda.max_memory_allocated(dev) - base) if cuda else None,
+            row.update(ok=True, psi=psi, times=times, loss=loss, held_abs=held, state_bytes=state,
+                       peak_abs=torch.cuda.max_memory_allocated(dev) if cuda else None,
                        reserved_peak=torch.cuda.max_memory_reserved(dev) if cuda else None)
-            del fwd, bwd, stp, zero, one
-            try:
-                del eng
-            except NameError:
-                pass
-            try:
-                del m, opt
-            except NameError:
-                pass
+            del fwd, bwd, stp, zero, one, counted
+            eng = m = opt = None      # noqa: F841 - drop the engine before the next one is measured
         except Exception as e:  # noqa: BLE001 - a peer that cannot run here is reported, not fatal
             import traceback
             row.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
                        where=traceback.format_exc()[-1200:])
-        rows[name] = row
-        gc.collect()
         if cuda:
-            torch.cuda.empty_cache()
+            after = settle(dev)
+            row.update(leftover_bytes=base - start, after_bytes=after - start)
+            if row["ok"]:
+                empty = min(base, after)
+                row.update(held=row["held_abs"] - empty, peak=row["peak_abs"] - empty)
+        else:
+            row.update(held=None, peak=None)
+        rows[name] = row
     return {"backend": backend_name(), "device": str(dev), "rows": rows}
 
 
@@ -526,8 +530,7 @@ def offload_worker(cfg_name, batch, warmup=2, steps=5, stage=2):
                 if cuda:
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t)
-            times.sort()
-            row.update(ok=True, step_ms=times[len(times) // 2] * 1e3, times=times,
+            row.update(ok=True, step_ms=sorted(times)[len(times) // 2] * 1e3, times=times,   # in step order
                        peak=(torch.cuda.max_memory_allocated(dev) - base) if cuda else None,
                        offloaded_bytes_per_step=sent[-1] - sent[-2])   # the counter only grows
             del eng, one

@@ -207,6 +207,13 @@ CLI_CASES = [
     (["train", "--plot", "/nonexistent/dir/loss.png"], 2, "plot: the directory '/nonexistent/dir' does not exist"),
     # os.access says yes to /proc for root: only a write tells
     (["train", "--save-every", "1", "--save-dir", "/proc/zerolab-ckpt"], 2, "cannot write a checkpoint there"),
+    # raw tracebacks, before: an OverflowError inside AdamW's step; a MemoryError after 49 s
+    (["train", "--lr", "1e300"], 2, "lr must be at most 10, got 1e+300"),
+    (["train", "--batch-size", "1000000000"], 2, "batch_size 1000000000: one step needs at least 45,776.4 GiB per rank"),
+    (["consolidate", "/nonexistent/ck", "/nonexistent/dir/x.pt"], 2, "the directory '/nonexistent/dir' does not exist"),
+    (["consolidate", "/nonexistent/ck", "/proc/x.pt"], 2, "cannot write '/proc/x.pt'"),
+    (["bench", "--size", "bogus"], 2, "argument --size: invalid choice: 'bogus'"),
+    (["bench", "--bucket-mb", "inf"], 2, "--bucket-mb must be a finite number > 0, got inf"),
     (["consolidate", "/nonexistent/ck", "out.pt"], 1, "/nonexistent/ck: no such checkpoint directory"),
     (["consolidate", "/nonexistent/ck"], 2, "the following arguments are required: out"),
     (["explode"], 2, "invalid choice: 'explode'"),
@@ -222,9 +229,10 @@ def test_cli_refuses_bad_arguments(argv, code, words, capsys, tmp_path, monkeypa
         got = main([*argv, "--no-progress"] if argv[0] == "train" else argv)
     except SystemExit as exc:  # argparse's usage error
         got = exc.code
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert got == code, err
     assert words in err, err
+    assert out == "" and "Traceback" not in err, out + err     # one error, before any header or work
     assert _children() <= procs and os.listdir(tmp_path) == []
 
 

@@ -121,3 +121,26 @@ def test_the_step_adds_exactly_the_fp32_gradients():
 def test_step_time_spread_quartiles():
     run = {"seconds": [9.0] * 5 + [float(x) for x in range(1, 10)]}    # 5 warm-up steps, then 1..9
     assert demo.step_time_spread(run) == {"q1": 3.0, "median": 5.0, "q3": 7.0, "n": 9}
+
+
+# ------------------------------------------------------------------ the chapter's misuse demo
+
+
+def test_chapter_2_refuses_every_bad_call_it_shows():
+    # chapter 2 shows the mistakes the API refuses up front: each one must still raise (the cell asserts it
+    # too), and the committed output must show one error per bad call, so a call that stops raising cannot
+    # leave the page silently one error short
+    import json
+    import pathlib
+
+    from zerolab.engines.single import SingleProcess
+    from zerolab.precision import LossScaler, MixedPrecision
+
+    nb = json.loads((pathlib.Path(__file__).resolve().parents[1] / "chapters" / "02_mixed_precision.ipynb").read_text())
+    cell = next(c for c in nb["cells"] if c["cell_type"] == "code" and "bad_calls = {" in "".join(c["source"]))
+    names = {"torch": torch, "zl": zl, "demo": demo, "SingleProcess": SingleProcess, "MixedPrecision": MixedPrecision,
+             "LossScaler": LossScaler}
+    exec("".join(cell["source"]), names)                    # raises AssertionError if a bad call is accepted
+    assert names["refused"] == list(names["bad_calls"]) and len(names["bad_calls"]) == 4
+    printed = "".join("".join(o.get("text", "")) for o in cell["outputs"])
+    assert printed.count("Error: ") == len(names["bad_calls"])

@@ -9,7 +9,7 @@ import torch
 
 import zerolab as zl
 from zerolab import checkpoint, data, models
-from zerolab.checkpoint.files import with_digest
+from zerolab.checkpoint.files import encode_metadata
 
 pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
 
@@ -223,7 +223,7 @@ def test_a_shard_that_would_run_code_is_refused(saved_single):
     meta = json.loads((path / "metadata.json").read_text())
     meta["shards"][0].update(bytes=len(raw), sha256=hashlib.sha256(raw).hexdigest())
     # a crafted checkpoint: the metadata's own digest re-recorded too
-    (path / "metadata.json").write_text(json.dumps(with_digest(meta)))
+    (path / "metadata.json").write_bytes(encode_metadata(meta))
     _fresh_and_check_unchanged(path, [shard.name, "weights-only"])
     assert not (path / "owned").exists()
 

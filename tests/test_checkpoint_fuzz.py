@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import zerolab as zl
 from zerolab import checkpoint
-from zerolab.checkpoint.files import with_digest
+from zerolab.checkpoint.files import encode_metadata
 from zerolab.checkpoint.reader import CheckpointError
 
 
@@ -98,7 +98,7 @@ def rewrite_shard(path, change):
         f.write(data)
     shard["bytes"], shard["sha256"] = len(data), hashlib.sha256(data).hexdigest()
     with open(meta_path, "w") as f:
-        json.dump(with_digest(meta), f)
+        f.write(encode_metadata(meta).decode())
 
 
 def test_a_crafted_shard_cannot_replace_what_the_optimizer_updates(tmp_path):
@@ -124,7 +124,7 @@ def test_a_shard_path_cannot_leave_the_checkpoint_directory(saved, name):
     path, original = saved
     meta = json.loads(original)
     meta["shards"][0]["file"] = name
-    write_metadata(path, json.dumps(with_digest(meta)).encode())      # crafted: the digest re-recorded
+    write_metadata(path, encode_metadata(meta))      # crafted: the digest re-recorded
     try:
         with pytest.raises(CheckpointError, match="plain file name inside the checkpoint directory"):
             checkpoint.load(small_engine(), path)

@@ -35,7 +35,7 @@ import torch
 
 import zerolab as zl
 from zerolab import checkpoint
-from zerolab.checkpoint.files import with_digest
+from zerolab.checkpoint.files import encode_metadata, seal
 from zerolab.checkpoint.reader import CheckpointError
 from zerolab.models import AwkwardModel
 
@@ -201,7 +201,7 @@ def read_meta(path):
 
 
 def write_meta(path, meta, digest):
-    text = json.dumps(with_digest(meta) if digest else meta)
+    text = encode_metadata(meta).decode() if digest else json.dumps(meta)
     with open(os.path.join(path, "metadata.json"), "w") as f:
         f.write(text)
 
@@ -314,6 +314,10 @@ def test_a_crafted_shard_is_refused_before_anything_changes(pristine, change, wo
     with pytest.raises(CheckpointError) as info:
         checkpoint.load(engine, path)
     assert words in str(info.value), str(info.value)
+    # the file that holds the bad value is named: the shard (before: metadata.json for the
+    # hyperparameters, the optimizer state, the loss scaler and the RNG states)
+    shard = os.path.join(path, read_meta(path)["shards"][0]["file"])
+    assert str(info.value).startswith(f"{shard}: "), str(info.value)
     assert same(before, snapshot(engine)), "the refused load changed the engine"
 
 
@@ -344,17 +348,18 @@ def test_crafted_metadata_is_refused_by_load_and_consolidate(pristine, change, w
             checkpoint.consolidate(path)
         assert words in str(info.value), str(info.value)
     # and without the digest re-recorded, the digest itself refuses it
-    meta = read_meta(path)
-    meta["sha256"] = "0" * 64
-    write_meta(path, meta, digest=False)
+    stale = bytearray(encode_metadata(read_meta(path)))
+    stale[-68:-4] = b"0" * 64          # the seal's digest, not re-recorded
+    with open(os.path.join(path, "metadata.json"), "wb") as f:
+        f.write(stale)
     with pytest.raises(CheckpointError, match="its SHA-256 does not match its contents"):
         checkpoint.consolidate(path)
 
 
 def test_a_metadata_nested_too_deeply_is_a_checkpoint_error(pristine):
     path = copy_of(pristine, "deep")
-    with open(os.path.join(path, "metadata.json"), "w") as f:
-        f.write("[" * 100_000 + "]" * 100_000)
+    with open(os.path.join(path, "metadata.json"), "wb") as f:     # sealed: the digest passes
+        f.write(seal(b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"))
     with pytest.raises(CheckpointError, match="nested too deeply"):
         checkpoint.consolidate(path)
     assert math.isfinite(1.0)

@@ -241,3 +241,22 @@ def test_timeout_is_honoured_under_torchrun(tmp_path):
             proc.wait()
     assert proc.returncode == 1, out[-3000:]
     assert "zerolab train: error: launch: rank 0 did not finish within the timeout of 5 s" in out, out[-3000:]
+
+
+def test_consolidate_names_an_output_it_cannot_write_in_one_line(tmp_path, capsys):
+    # before: a raw FileNotFoundError traceback, after the whole checkpoint had been read
+    import functools
+
+    import torch
+
+    import zerolab as zl
+    from zerolab import checkpoint, models
+    from zerolab.__main__ import main
+    ck = tmp_path / "ck"
+    checkpoint.save(zl.SingleProcess(models.AwkwardModel(), functools.partial(torch.optim.AdamW, lr=1e-3)), ck)
+    for out, words in ((tmp_path / "missing" / "x.pt", f"the directory '{tmp_path / 'missing'}' does not exist"),
+                       ("/proc/x.pt", "cannot write '/proc/x.pt': ")):
+        assert main(["consolidate", str(ck), str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("zerolab consolidate: error: ") and err.count("\n") == 1 and words in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]

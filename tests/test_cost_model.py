@@ -32,8 +32,10 @@ def test_h100_cluster_is_the_stated_hardware():
     assert H.nvlink.bandwidth_Bps == pytest.approx(360e9) and H.network_Bps == pytest.approx(376e9)
     assert H.peak_flops == 989e12 and H.mfu == 0.4
     assert H.achieved_flops == pytest.approx(395.6e12)
-    # NCCL 2.30's tuning.cc, Simple protocol: 8.4 us a call, 3.4 us per NVLink step, 14 us per network step
+    # NCCL 2.28's tuning.cc, Simple protocol: 8.4 us a call, 3.4 us per NVLink ring step (4.0 per tree step),
+    # 14 us per network step
     assert (H.base_latency_s, H.nvlink.alpha_s, H.nic.alpha_s) == (8.4e-6, 3.4e-6, 14e-6)
+    assert H.nvlink.tree_alpha_s == 4.0e-6 and cm.TREE_BANDWIDTH_FACTOR == 0.92
     v = cm.V100_DGX2_CLUSTER
     assert v.gpus_per_node == 16 and v.nics_per_node == 8 and v.achieved_flops == pytest.approx(39e12)
     assert cm.with_nics(v, 4).nics_per_node == 4 and cm.with_nics(v, 4).gpus_per_node == 16
@@ -77,12 +79,19 @@ def test_all_to_all_sends_each_peer_its_piece():
 
 
 def test_tree_all_reduce_latency_grows_with_log_nodes():
-    # NCCL's tree: 2 * ((ranks per node - 1) * NVLink step + log2(nodes) * network step)
+    # NCCL 2.28's tuning.cc: 2 * ((ranks per node - 1) * the tree's NVLink step (4.0 us, the ring's is 3.4)
+    # + log2(nodes) * the network step (14 us for both)), and the tree's bus bandwidth times 0.92
     ring = cm.collective_cost("all_reduce", 8, 512, H, algorithm="ring")
     tree = cm.collective_cost("all_reduce", 8, 512, H, algorithm="tree")
-    assert tree.latency_s == pytest.approx(8.4e-6 + 2 * (7 * 3.4e-6 + 6 * 14e-6))
+    assert tree.latency_s == pytest.approx(8.4e-6 + 2 * (7 * 4.0e-6 + 6 * 14e-6))
     assert ring.latency_s == pytest.approx(8.4e-6 + (1022 - 126) * 3.4e-6 + 126 * 14e-6)
-    assert cm.collective_cost("all_reduce", 8, 512, H).algorithm == "tree"           # auto picks the faster
+    big_ring = cm.collective_cost("all_reduce", 8e9, 512, H, algorithm="ring")
+    big_tree = cm.collective_cost("all_reduce", 8e9, 512, H, algorithm="tree")
+    assert big_tree.network_bytes == big_ring.network_bytes                        # the same bytes ...
+    assert big_tree.network_s == pytest.approx(big_ring.network_s / 0.92)          # ... at 0.92 of the bandwidth
+    assert big_tree.nvlink_s == pytest.approx(big_ring.nvlink_s / 0.92)
+    assert cm.collective_cost("all_reduce", 8, 512, H).algorithm == "tree"           # auto: latency-bound -> tree
+    assert cm.collective_cost("all_reduce", 8e9, 64, H).algorithm == "ring"          # bandwidth-bound -> ring
     assert cm.collective_cost("all_gather", 8, 512, H).algorithm == "ring"           # no tree for all-gather
     with pytest.raises(ValueError, match="tree"):
         cm.collective_cost("all_gather", 8, 512, H, algorithm="tree")
@@ -180,24 +189,110 @@ def test_bad_stage_is_refused():
 
 
 # ------------------------------------------------------------------ published measurements
+# The appendix's rows are predictions that can miss: these tests hold the model's numbers to sums worked by
+# hand and the verdicts to the stated margins, never to "every row passes".
 CHECKS = cost_checks.all_rows()
+BY = {c.what: c for c in CHECKS}
+V100 = cm.V100_DGX2_CLUSTER
 
 
-@pytest.mark.parametrize("check", [c for c in CHECKS if c.margin is not None], ids=lambda c: c.what)
-def test_model_reproduces_published_figure_within_its_margin(check):
-    assert check.within, (check.what, check.published, check.low, check.high, check.error)
+def test_margins_are_the_stated_ones_and_every_row_has_one_prediction():
+    assert cost_checks.MARGINS == {"bandwidth": 0.10, "throughput": 0.15, "speed-up": 0.15}
+    assert all(isinstance(c.predicted, float) and c.predicted > 0 for c in CHECKS)
+    # 5 bus bandwidths, 2 ZeRO paper throughputs, the ZeRO++ figures' 2 x 2 panels x 4 sizes x 2 bars, 16 speed-ups
+    assert len(CHECKS) == 5 + 2 + 32 + 16
+    for nics, tokens in ((4, 1), (1, 1), (4, 2), (1, 2)):          # both panels of both figures, every size
+        for size in (18, 49, 91, 138):
+            tail = f"{size}B, {nics} x 100 Gb/s per node, {tokens}K tokens per GPU"
+            assert {f"ZeRO-3, {tail}", f"ZeRO++, {tail}", f"ZeRO++ over ZeRO-3, {tail}"} <= set(BY)
+
+
+def test_verdicts_follow_the_margins():
+    for c in CHECKS:
+        if c.role == "check":
+            assert c.verdict == ("hit" if abs(c.predicted / c.published - 1) <= c.margin else "miss"), c.what
+            assert (c.reason == "") == (c.verdict == "hit")
+        else:
+            assert c.hit is None and c.verdict in ("restates a calibration", "not modelled")
+    t = cost_checks.tally(CHECKS)
+    assert t["hit"] + t["miss"] == sum(c.role == "check" for c in CHECKS) and t["miss"] > 0
+
+
+def test_rows_that_restate_a_calibration_are_not_counted():
+    # the NVLink efficiency (20 of 25 GB/s) comes from nccl-tests #149; #212's 370 GB/s is the same ~20% overhead
+    calib = {c.what for c in CHECKS if c.role == "calibration"}
+    assert calib == {"DGX A100, 8 GPUs (ring)", "DGX H100, 8 GPUs (NCCL_ALGO=RING)"}
+    assert BY["DGX A100, 8 GPUs (ring)"].predicted == pytest.approx(300 * 0.8, rel=1e-3)    # line rate x 20/25
 
 
 def test_what_the_model_leaves_out_misses_in_the_stated_direction():
     # NVLink SHARP reduces inside the switches: the ring model must stay below it (a floor)
-    unmodelled = [c for c in CHECKS if c.margin is None]
-    assert unmodelled and all(c.high < c.published for c in unmodelled)
+    unmodelled = [c for c in CHECKS if c.role == "not modelled"]
+    assert unmodelled and all(c.predicted < c.published for c in unmodelled)
 
 
-def test_published_table_has_every_kind_of_figure():
-    what = " ".join(c.what for c in CHECKS)
-    for needle in ("DGX A100, 8 GPUs", "DGX H100, 8 GPUs", "DGX A100 nodes", "ZeRO-100B", "ZeRO++ over ZeRO-3"):
-        assert needle in what
+def test_two_h100_nodes_ring_is_the_nodes_eight_cards():
+    # nccl-tests #319: ~396 GB/s expected across 2 DGX H100 nodes with the ring; the model's bus bandwidth is the
+    # node's 8 cards at 47 GB/s, less the latency of 30 steps on an 8 GB message
+    c = BY["2 DGX H100 nodes, 8 x 400 Gb/s cards each (ring)"]
+    t = 8.4e-6 + (30 - 2) * 3.4e-6 + 2 * 14e-6 + 2 * 15 / 16 * 8e9 / (8 * 47e9)
+    assert c.predicted == pytest.approx(8e9 / t * 2 * 15 / 16 / 1e9, rel=1e-9)
+    assert c.published == 396 and c.hit and c.role == "check"
+
+
+def _gather_s(psi, nics):
+    # ring all-gather of 2 psi bytes on 384 V100s in 24 nodes of 16: network-bound (the node's cards at 0.94 of
+    # 12.5 GB/s each), 383 steps of which 23 cross nodes
+    return 8.4e-6 + (383 - 23) * 3.4e-6 + 23 * 14e-6 + 383 / 384 * 2 * psi / (nics * 12.5e9 * 0.94)
+
+
+@pytest.mark.parametrize("nics,tokens", [(4, 1024), (1, 1024), (4, 2048), (1, 2048)])
+def test_zero3_rows_by_hand(nics, tokens):
+    psi = 138e9
+    compute = 6 * psi * tokens / 39e12
+    g = _gather_s(psi, nics)
+    exposed = max(0.0, g - compute / 3) + max(0.0, 2 * g - 2 * compute / 3)        # each pass hides what it can
+    row = BY[f"ZeRO-3, 138B, {nics} x 100 Gb/s per node, {tokens // 1024}K tokens per GPU"]
+    assert row.predicted == pytest.approx(6 * psi * tokens / (compute + exposed) / 1e12, rel=1e-9)
+    assert row.nothing_hidden == pytest.approx(6 * psi * tokens / (compute + 3 * g) / 1e12, rel=1e-9)
+
+
+def test_misses_are_shown_with_the_models_reason():
+    # Figure 6, 1K tokens: the model hides ZeRO-3's gathers behind the compute (39 TFLOP/s, its ceiling);
+    # DeepSpeed's ZeRO-3 ran at 23, near the model's nothing-hidden 21.6: a miss, "hid less"
+    z3 = BY["ZeRO-3, 138B, 4 x 100 Gb/s per node, 1K tokens per GPU"]
+    assert z3.predicted == pytest.approx(39.0) and z3.published == 23 and z3.verdict == "miss"
+    assert z3.cause == "hid less of its communication than the model assumes"
+    # Figure 6, 2K tokens: ZeRO++ at 50 TFLOP/s is above the V100 rate the model computes at
+    pp = BY["ZeRO++, 138B, 4 x 100 Gb/s per node, 2K tokens per GPU"]
+    assert pp.predicted == pytest.approx(39.0) and pp.published == 50 and pp.verdict == "miss"
+    assert pp.cause == "computed faster than the model's compute rate"
+    # the speed-up is the ratio of the two predictions, and the arrow's value where the figure prints one
+    s = BY["ZeRO++ over ZeRO-3, 138B, 4 x 100 Gb/s per node, 1K tokens per GPU"]
+    assert s.predicted == pytest.approx(BY["ZeRO++, 138B, 4 x 100 Gb/s per node, 1K tokens per GPU"].predicted
+                                        / z3.predicted) and s.published == 1.56 and s.verdict == "miss"
+    assert "ZeRO-3 +70%: hid less" in s.reason
+    # a hit: Figure 7, 1K tokens, 18B, ZeRO++ at 31 TFLOP/s
+    assert BY["ZeRO++, 18B, 1 x 100 Gb/s per node, 1K tokens per GPU"].verdict == "hit"
+
+
+def test_blog_text_and_figure_disagree():
+    # the blog's prose gives 28-36% (1K) and 24-29% (2K) for Figure 6; its bars give 1.40x-1.57x and 1.32x-1.42x
+    for (nics, tokens), text in cost_checks.ZEROPP_TEXT.items():
+        lo, hi = (1 + float(x.strip("%")) / 100 for x in text.split(" to "))
+        bars = [BY[f"ZeRO++ over ZeRO-3, {s}B, {nics} x 100 Gb/s per node, {tokens // 1024}K tokens per GPU"].published
+                for s in cost_checks.ZEROPP_SIZES]
+        assert min(bars) > hi
+
+
+def test_zero_paper_rows_by_hand():
+    # the 100B run: 25 data-parallel ranks, one per node, ZeRO-2 on 100B/16 parameters; 16 groups share 8 cards
+    psi, tokens = 100e9 / 16, 32 * 1024
+    compute = 6 * psi * tokens / 39e12
+    rs = 8.4e-6 + 24 * 14e-6 + 24 / 25 * 2 * psi / (8 * 12.5e9 * 0.94 / 16)   # latency: every step crosses
+    exposed = max(0.0, rs - 2 * compute / 3) + rs                        # the all-gather after the step: exposed
+    assert BY["ZeRO-100B, 100B on 400 V100s (model parallel 16 x data parallel 25)"].predicted == pytest.approx(
+        6 * psi * tokens / (compute + exposed) / 1e12, rel=1e-9)
 
 
 # ------------------------------------------------------------------ one cost model for the whole book

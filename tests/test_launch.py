@@ -540,6 +540,41 @@ def test_a_rank_that_fails_while_starting_shows_its_traceback_in_the_error(tmp_p
     assert not list(scratch.iterdir()), "no start-up file or log left behind"
 
 
+def test_a_rank_that_cannot_be_started_is_reported_as_what_it_is(tmp_path):
+    # the fork server's socket removed (a clean-up of the temporary directory): the next rank
+    # cannot be started. Before, every exception while starting a rank was reported as "Every
+    # argument in args must be picklable", this one included
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        from multiprocessing import forkserver
+        import zerolab as zl
+        from zerolab.launch import LaunchError
+        if __name__ == "__main__":
+            assert zl.launch(zl.rank, 1) == [0]
+            os.remove(forkserver._forkserver._forkserver_address)
+            try:
+                zl.launch(zl.rank, 1)
+                print("STARTED")
+            except LaunchError as e:
+                print(str(e).splitlines()[0])
+            class Lock:                 # and an argument that cannot be sent is still named so
+                def __reduce__(self):
+                    raise TypeError("cannot pickle 'Lock' object")
+            try:
+                zl.launch(zl.rank, 1, args=(Lock(),))
+            except LaunchError as e:
+                print(str(e).splitlines()[0])
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    socket_gone, unpicklable = out.stdout.strip().splitlines()[-2:]
+    assert socket_gone.startswith("launch: could not start rank 0: the operating system refused "
+                                  "(FileNotFoundError(2, 'No such file or directory'))"), socket_gone
+    assert "fork server" in socket_gone and "picklable" not in socket_gone, socket_gone
+    assert "cannot pickle 'Lock' object" in unpicklable and "must be picklable" in unpicklable, unpicklable
+
+
 # ---- rank 0's output as it comes; the others' bounded; every rank's finding in the error
 
 

@@ -51,31 +51,55 @@ def main(argv=None) -> int:
 
 
 def consolidate_main(args) -> int:
-    import os
-
     import torch
 
     from .checkpoint import CheckpointError, consolidate
-    if os.path.isdir(args.out):
-        print(f"zerolab consolidate: error: OUT {args.out!r} is a directory; give a file name "
-              "such as model.pt", file=sys.stderr)
-        return 2
+    from .checkpoint.atomic import new_file
+
+    def error(message, code=2) -> int:
+        print(f"zerolab consolidate: error: {message}", file=sys.stderr)
+        return code
+    problem = _where_out_cannot_go(args.path, args.out)
+    if problem:
+        return error(problem)
     try:
-        state = consolidate(args.path)
+        # OUT's temporary file is created first (exclusively: a link there is not followed), so
+        # a place that cannot be written is named before the work; renamed into place at the end
+        with new_file(args.out) as f:
+            state = consolidate(args.path)
+            torch.save(state, f)
     except CheckpointError as exc:
-        print(f"zerolab consolidate: error: {exc}", file=sys.stderr)
-        return 1
-    tmp = f"{args.out}.tmp-{os.getpid()}"
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, args.out)
-    except BaseException:   # a full disk, a missing directory, Ctrl-C: no half-written file is left
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+        return error(exc, 1)
+    except OSError as exc:   # a full disk, a file system that refuses new files (/proc), no permission
+        return error(f"cannot write {args.out!r}: {exc.strerror or exc}")
     n = sum(t.numel() for k, t in state.items() if t.is_floating_point())
     print(f"zerolab consolidate: {len(state)} tensors ({n:,} values, fp32) written to {args.out}")
     return 0
+
+
+def _where_out_cannot_go(path: str, out: str) -> str:
+    """Why `out` cannot receive the consolidated state dict of checkpoint `path` ("" if it can):
+    a directory, a directory that does not exist, the checkpoint directory itself or a folder in
+    it (a checkpoint holds its own files only), or one of its files under another name."""
+    import os
+    if os.path.isdir(out):
+        return f"OUT {out!r} is a directory; give a file name such as model.pt"
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        return f"OUT {out!r}: the directory {parent!r} does not exist; create it first"
+    if not os.path.isdir(path):
+        return ""                    # (consolidate names a missing checkpoint itself)
+    ckpt, where = os.path.realpath(path), os.path.realpath(parent)
+    if where == ckpt or where.startswith(ckpt.rstrip(os.sep) + os.sep):
+        return (f"OUT {out!r} is inside the checkpoint directory {path!r}; write it elsewhere (a "
+                "checkpoint holds its own files only: OUT would replace one of them, or the next save "
+                "would remove it)")
+    if os.path.exists(out):
+        mine = os.stat(out)
+        for entry in os.scandir(path):
+            if os.path.samestat(mine, entry.stat(follow_symlinks=False)):
+                return f"OUT {out!r} is the checkpoint's own {entry.name} under another name; write it elsewhere"
+    return ""
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ Strategies (--strategy; the default is ddp with more than one rank, single with 
 
 Nothing lost (zerolab.checkpoint): `--save-every N --save-dir D` writes a sharded checkpoint
 every N steps (atomically: a crash mid-save leaves the previous one loadable), `--resume D`
-continues from it bit for bit (same strategy and world size) or resharded (another one).
+continues from it bit for bit (same strategy and world size) or resharded (another one). A
+checkpoint already in D is never replaced by another run unless `--overwrite` says so.
 A NaN or inf loss stops the run naming the step; `--find-nan` also names the first module
 that produced it (zl.debug.first_nonfinite). `--fault KIND@STEP[:RANK[:MODULE]]` injects a
 fault (raise, exit, kill, hang, nan) so you can watch the job end cleanly.
@@ -54,6 +55,7 @@ class TrainConfig:
     save_every: int = 0          # 0: never save
     save_dir: str | None = None
     resume: str | None = None    # a checkpoint directory to continue from
+    overwrite: bool = False      # save_dir may hold a checkpoint of another run: replace it
     find_nan: bool = False       # name the first module that produced a NaN/inf
     fault: str | None = None     # KIND@STEP[:RANK[:MODULE]], see parse_fault
     timeout: float | None = None         # seconds the whole job may take (None: as long as it trains)
@@ -215,10 +217,12 @@ def _follow_progress(queue, total, stop):
     """Parent side: draw the progress bar from rank 0's messages."""
     bar = _bar(total)
     done = 0
-    while done < total and not stop.is_set():
+    while done < total:
         try:
             step, loss = queue.get(timeout=0.2)
         except Exception:  # queue.Empty, or the queue closed under us
+            if stop.is_set():
+                break      # (only once the queue is empty: rank 0's last steps are drawn too)
             continue
         bar.update(step - done)
         bar.set_postfix(loss=f"{loss:.3f}")
@@ -328,6 +332,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-dir", default=None, help="checkpoint directory for --save-every "
                         "(default: zerolab-ckpt when --save-every is given)")
     parser.add_argument("--resume", default=None, metavar="PATH", help="continue from this checkpoint")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="let --save-dir replace a checkpoint already there (without it, only "
+                             "--resume of that same directory writes into it)")
     parser.add_argument("--find-nan", action="store_true",
                         help="on a NaN/inf loss, name the first module that produced it")
     parser.add_argument("--timeout", type=float, default=None,
@@ -352,7 +359,7 @@ def main(args: argparse.Namespace) -> int:
                       steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                       bucket_mb=args.bucket_mb, save_every=args.save_every,
                       save_dir=args.save_dir or ("zerolab-ckpt" if args.save_every else None),
-                      resume=args.resume, find_nan=args.find_nan, fault=args.fault, timeout=args.timeout,
+                      resume=args.resume, overwrite=args.overwrite, find_nan=args.find_nan, fault=args.fault, timeout=args.timeout,
                       collective_timeout=args.collective_timeout)
     try:
         cfg.check()

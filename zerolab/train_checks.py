@@ -4,7 +4,10 @@ for a reason it could have named at step 0.
 In the parent (or each torchrun process), before any rank starts:
     check_config(cfg)         every field: ranges, choices, timeouts, the fault spec, the
                               checkpoint to resume (read and verified), the save directory
-                              (writable: tried), the plot's file (its directory exists)
+                              (writable: tried; a checkpoint already there is replaced only by
+                              the run that resumes it, or with overwrite), the plot's file (its
+                              directory exists), the batch (a step's logits must fit this
+                              machine's memory)
 In every rank, before the engine's first collective:
     plan(cfg)                 what all ranks must agree on (zerolab.engines.setup.check_same_plan
                               compares it): under torchrun each node parses its own command line.
@@ -23,11 +26,14 @@ import secrets
 import torch
 
 from . import engines, models
-from .checkpoint.reader import CheckpointError, check_save_dir, identity, probe_save_dir
+from .checkpoint.atomic import create_exclusive, signals_held, stopping_cleanly
+from .checkpoint.reader import METADATA, CheckpointError, identity
+from .checkpoint.writer import check_save_dir, probe_save_dir
 from .watchdog import check_timeout
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 FAULTS = ("raise", "exit", "kill", "hang", "stop", "nan")
+MAX_LR = 10.0     # AdamW moves every weight by about lr a step: beyond this a run only diverges
 
 
 def available_strategies() -> list:
@@ -52,6 +58,9 @@ def check_config(cfg) -> None:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if not _number(cfg.lr, low_ok=False):
         raise ValueError(f"lr must be a finite number > 0, got {cfg.lr!r}")
+    if cfg.lr > MAX_LR:
+        raise ValueError(f"lr must be at most {MAX_LR:g}, got {cfg.lr!r}: AdamW moves every weight by about lr "
+                         "a step, so a larger one only diverges (and above ~3e37 overflows fp32)")
     if not _number(cfg.bucket_mb, low_ok=False):
         raise ValueError(f"bucket_mb must be a finite number > 0, got {cfg.bucket_mb!r}")
     if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or not 0 <= cfg.seed < 2**63:
@@ -60,11 +69,14 @@ def check_config(cfg) -> None:
         raise ValueError(f"save_every must be an int >= 0 (0 = never), got {cfg.save_every!r}")
     if cfg.save_every and not cfg.save_dir:
         raise ValueError("save_every needs save_dir: the directory to write checkpoints into")
+    check_batch_fits(cfg)
     if cfg.save_dir:
         try:
             probe_save_dir(cfg.save_dir)     # now, not at the first save: a file written and removed
         except CheckpointError as e:
             raise ValueError(f"save_dir: {e}") from None
+    if cfg.save_every and cfg.save_dir:
+        check_no_overwrite(cfg)
     if cfg.resume is not None:
         meta = os.path.join(os.fspath(cfg.resume), "metadata.json")
         if not os.path.lexists(meta):
@@ -78,6 +90,52 @@ def check_config(cfg) -> None:
     check_timeout(cfg.timeout, "timeout", allow_none=True, where="")
     if cfg.fault is not None:
         parse_fault(cfg.fault, cfg.world_size)
+
+
+def check_no_overwrite(cfg) -> None:
+    """A checkpoint already in save_dir is another run's work: only the run that resumes it (resume
+    names the same directory) or an explicit overwrite may replace it."""
+    if cfg.overwrite or not os.path.lexists(os.path.join(cfg.save_dir, METADATA)):
+        return
+    if cfg.resume is not None and os.path.isdir(cfg.resume) and os.path.samefile(cfg.resume, cfg.save_dir):
+        return
+    try:
+        what = f"a checkpoint ({identity(cfg.save_dir).split(',')[0]})"
+    except CheckpointError:
+        what = "a checkpoint"
+    raise ValueError(f"save_dir: {cfg.save_dir} holds {what} already; pass --resume {cfg.save_dir} to "
+                     "continue it, or --overwrite to replace it")
+
+
+def _memory_per_rank(ranks: int) -> int:
+    """Bytes of memory each of `ranks` processes on this machine may have: the machine's (or its
+    container's, when a cgroup limits it) divided among them."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total // max(1, ranks)
+
+
+def check_batch_fits(cfg) -> None:
+    """A step's logits (batch x block x vocabulary floats) and the log-probabilities cross-entropy
+    keeps for backward must fit this machine's memory: a lower bound of what a step needs, so a
+    batch that could fit is never refused, and one that cannot is refused now rather than after
+    the ranks have spent a minute allocating it."""
+    model = models.gpt_config(cfg.size)
+    rows = cfg.batch_size * (cfg.world_size if cfg.strategy == "single" else 1)
+    need = 2 * rows * model.block_size * model.vocab_size * 4
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))   # (torchrun: the ranks of this node)
+    have = _memory_per_rank(ranks)
+    if need > have:
+        raise ValueError(f"batch_size {cfg.batch_size}: one step needs at least {need / 2**30:,.1f} GiB per rank "
+                         f"(the logits and their log-probabilities: {rows:,} x {model.block_size} x "
+                         f"{model.vocab_size} floats each), more than the {have / 2**30:,.1f} GiB each of "
+                         f"{ranks} rank(s) has on this machine; lower --batch-size")
 
 
 def check_plot(path) -> None:
@@ -137,25 +195,31 @@ def check_shared_save_dir(path, ledger, rank: int, world: int) -> None:
 
     token = agree(secrets.randbits(62) if rank == 0 else 0, "max")
     mine = os.path.join(path, f".zerolab-probe-{token:016x}-{rank}")
-    try:
+    # (a launcher stops the other ranks with SIGTERM when one fails: the probe goes all the same)
+    with stopping_cleanly():
         try:
-            check_save_dir(path)
-            os.makedirs(path, exist_ok=True)
-            with open(mine, "w"):
-                pass
-            wrote = 1
-        except (OSError, CheckpointError):
-            wrote = 0
-        failed = agree(world if wrote else rank, "min")
-        if failed < world:
-            raise ValueError(f"save_dir {path!r}: rank {failed} cannot write there; every rank must be "
-                             "able to write the checkpoint directory")
-        sees = all(os.path.exists(os.path.join(path, f".zerolab-probe-{token:016x}-{r}")) for r in range(world))
-        blind = agree(world if sees else rank, "min")
-        if blind < world:
-            raise ValueError(f"save_dir {path!r}: rank {blind} does not see the files the other ranks "
-                             "write there: every rank must save into one directory that all nodes share "
-                             "(a shared file system), not a directory of its own")
-    finally:
-        if os.path.exists(mine):
-            os.remove(mine)
+            _probe_shared(path, mine, token, agree, rank, world)
+        finally:
+            with signals_held():
+                if os.path.lexists(mine):
+                    os.remove(mine)
+
+
+def _probe_shared(path, mine, token, agree, rank, world) -> None:
+    try:
+        check_save_dir(path)
+        os.makedirs(path, exist_ok=True)
+        os.close(create_exclusive(mine))
+        wrote = 1
+    except (OSError, CheckpointError):
+        wrote = 0
+    failed = agree(world if wrote else rank, "min")
+    if failed < world:
+        raise ValueError(f"save_dir {path!r}: rank {failed} cannot write there; every rank must be "
+                         "able to write the checkpoint directory")
+    sees = all(os.path.exists(os.path.join(path, f".zerolab-probe-{token:016x}-{r}")) for r in range(world))
+    blind = agree(world if sees else rank, "min")
+    if blind < world:
+        raise ValueError(f"save_dir {path!r}: rank {blind} does not see the files the other ranks "
+                         "write there: every rank must save into one directory that all nodes share "
+                         "(a shared file system), not a directory of its own")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import random
 import time
 import warnings
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from ..data import CharDataset
 from ..launch import launch
-from ..models import GPT, gpt_config
+from ..models import GPT, SIZES, gpt_config
 from .engines import KINDS, build_runners, engine_factories
 from .report import format_table, summarize, targets
 
@@ -143,7 +144,7 @@ def main(argv=None, plot=None):
     p = argparse.ArgumentParser(prog="python -m zerolab bench",
                                 description="zerolab DDP and ZeRO-1/2/3 beside PyTorch DDP, "
                                             "ZeroRedundancyOptimizer, FSDP2 and DeepSpeed: one table")
-    p.add_argument("--size", default="small", help="GPT size: nano, tiny, small, medium (default small)")
+    p.add_argument("--size", default="small", choices=sorted(SIZES), help="GPT size (default small)")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--bucket-mb", type=float, default=1.0, help="bucket size for the engines that have one")
@@ -162,8 +163,8 @@ def main(argv=None, plot=None):
     for name in ("world_size", "batch", "reps", "steps"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if not a.bucket_mb > 0:
-        p.error("--bucket-mb must be > 0")
+    if not (math.isfinite(a.bucket_mb) and a.bucket_mb > 0):
+        p.error(f"--bucket-mb must be a finite number > 0, got {a.bucket_mb!r}")
     if a.warmup < 0:
         p.error("--warmup must be >= 0")
     print(f"GPT {a.size!r}, {a.world_size} ranks (gloo, CPU), batch {a.batch} per rank, fp32 AdamW, "

@@ -91,21 +91,57 @@ def _chapter2(results):
 
 def mfu(row, bench) -> float:
     """Model FLOPs utilisation as the literature and zerolab.theory.cost_model count it: the model's FLOPs per
-    second over the H100's datasheet bf16 peak (989 TFLOP/s). The GPU box recorded the same FLOPs over
-    its measured bf16 matmul rate (row["mfu"]); that ratio is the matmul utilisation, not MFU."""
+    second over the H100's datasheet bf16 peak (989 TFLOP/s). Files written before gpu/bench.py said so
+    recorded the same FLOPs over the box's measured bf16 matmul rate in a field named "mfu": that ratio is
+    the matmul utilisation, not MFU, and is converted here."""
+    if "mfu_datasheet" in row:
+        return row["mfu_datasheet"]
     return row["mfu"] * bench["matmul_peak"]["flops"] / H100_PEAK_FLOPS
 
 
+# Rows of the committed bench files whose memory was measured against a level that moved during their run
+# (files written before gpu.workers.bench_worker measured against the level with no engine alive; newer rows
+# carry "leftover_bytes" and need nothing). FSDP2 reshard=False came right after PyTorch DDP, whose buffers
+# were freed during its run: its "held" fell below its own fp32 parameters and Adam moments (12 bytes per
+# parameter), by 1.6 GB in one repetition and 1.2 GB in the other. Two quantities the moving level does not
+# touch remain: its peak above its held (the same in both repetitions to 0.01%), and what it holds between
+# steps, which at world 1 is the same tensors as FSDP2 reshard=True's (both reshard after backward);
+# tests/test_gpu_results.py checks both premises, the second by counting both engines' tensors on a CPU.
+MOVED_LEVEL = {"FSDP2 reshard=False": "FSDP2 reshard=True"}
+
+
+def world1_memory(bench) -> dict:
+    """{engine: (held, peak, derived)} at world 1: measured, or re-derived for a MOVED_LEVEL row as its
+    twin's held plus its own measured peak-above-held (derived=True)."""
+    rows = {k: r for k, r in _rows(bench, "world1").items() if r["ran"]}
+    out = {}
+    for name, r in rows.items():
+        twin = MOVED_LEVEL.get(name)
+        if twin in rows and "leftover_bytes" not in r:
+            held = rows[twin]["held_bytes"]
+            out[name] = (held, held + r["peak_bytes"] - r["held_bytes"], True)
+        else:
+            out[name] = (r["held_bytes"], r["peak_bytes"], False)
+    return out
+
+
+def _steps(r) -> str:
+    return f"{r['step_ms']:.1f} ({r['step_ms_min']:.0f}-{r['step_ms_max']:.0f})"
+
+
 def _bench_row(r, rep2=None, bench=None, bench2=None):
-    t2 = f" / {rep2['tokens_per_s']:,.0f}" if rep2 and rep2.get("ran") else ""
-    m2 = f" / {100 * mfu(rep2, bench2 or bench):.1f}%" if rep2 and rep2.get("ran") else ""
-    return (f"| {r['engine']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f}{t2} | {100 * mfu(r, bench):.1f}%{m2} | "
-            f"{_gb(r['held_bytes'])} | {_gb(r['peak_bytes'])} | {_gb(r['formula_model_state_bytes'])} | "
-            f"{r['peak_over_formula']:.2f} |")
+    ran2 = bool(rep2 and rep2.get("ran"))
+    held, peak, derived = world1_memory(bench).get(r["engine"], (r["held_bytes"], r["peak_bytes"], False))
+    mark = "†" if derived else ""
+    tokens = f"{r['tokens_per_s']:,.0f}" + (f" / {rep2['tokens_per_s']:,.0f}" if ran2 else "")
+    mfus = f"{100 * mfu(r, bench):.1f}%" + (f" / {100 * mfu(rep2, bench2 or bench):.1f}%" if ran2 else "")
+    return (f"| {r['engine']} | {_steps(r)} | {_steps(rep2) if ran2 else '-'} | {tokens} | {mfus} | "
+            f"{_gb(held)}{mark} | {_gb(peak)}{mark} | {_gb(r['formula_model_state_bytes'])} | "
+            f"{peak / r['formula_model_state_bytes']:.2f}{mark} |")
 
 
-BENCH_HEAD = ["| engine | step (ms), rep 1 | tokens/s (rep 1 / rep 2) | MFU (rep 1 / rep 2) | held (GB) | peak (GB) | "
-              "formula (GB) | peak / formula |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+BENCH_HEAD = ["| engine | step (ms), rep 1: median (min-max) | rep 2 | tokens/s (rep 1 / rep 2) | MFU (rep 1 / rep 2) | "
+              "held (GB) | peak (GB) | formula (GB) | peak / formula |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
 
 def _bench_intro(b):
@@ -113,15 +149,38 @@ def _bench_intro(b):
     psi = w["rows"][0]["psi"]
     return (f"A {psi / 1e6:.0f} M-parameter GPT ({w['config']['n_layer']} layers, width {w['config']['n_embd']}, "
             f"{w['config']['block_size']} tokens, vocabulary {w['config']['vocab_size']}) in bf16 with AdamW, "
-            f"{w['batch_per_rank']} sequences a step, world 1 on NCCL, buckets of {w['bucket_mb']:g} MB; each engine "
-            f"built alone, {w['warmup']} warm-up and {w['timed_steps']} timed steps (median). MFU = "
-            f"(6Ψ + attention) FLOPs per token × tokens/s over the H100's datasheet bf16 peak, "
+            f"{w['batch_per_rank']} sequences a step, eager (no `torch.compile`) on every side, world 1 on NCCL: one "
+            "GPU, so no collective moves a byte, and the times compare what each engine costs around the same "
+            f"arithmetic (hooks, copies, its optimizer, kernel launches), not how it communicates. Buckets of "
+            f"{w['bucket_mb']:g} MB; each engine built alone, {w['warmup']} warm-up and {w['timed_steps']} timed steps: "
+            "the median, with the fastest and slowest step in brackets, for each of two repetitions on two machine "
+            "starts. MFU = (6Ψ + attention) FLOPs per token × tokens/s over the H100's datasheet bf16 peak, "
             f"{H100_PEAK_FLOPS / 1e12:.0f} TFLOP/s (the same GPU's bf16 matrix product measured "
             f"{b['matmul_peak']['flops'] / 1e12:.0f} TFLOP/s, so no engine could pass "
-            f"{100 * b['matmul_peak']['flops'] / H100_PEAK_FLOPS:.0f}%). Peak = `torch.cuda.max_memory_allocated` over the "
-            "timed steps; formula = the paper's model states for the engine's layout (activations come on top). "
-            "Two repetitions on two machine starts: step times move by a factor of two or more between them for the "
-            "engines that launch many small kernels; compare within a repetition.")
+            f"{100 * b['matmul_peak']['flops'] / H100_PEAK_FLOPS:.0f}%). Held = allocated when a step begins; peak = "
+            "`torch.cuda.max_memory_allocated` over the timed steps; formula = the paper's model states for the "
+            "engine's layout (activations come on top). Step times of one engine moved by a factor of two or more "
+            "between the repetitions for the engines that launch many small kernels: compare within a repetition, "
+            "and read a difference smaller than the two repetitions' spread as a tie.")
+
+
+def _derived_note(bench, bench2=None) -> str:
+    rows, rows2 = _rows(bench, "world1"), (_rows(bench2, "world1") if bench2 else {})
+    lines = []
+    for name, (held, peak, derived) in world1_memory(bench).items():
+        if derived:
+            r, r2 = rows[name], rows2.get(name)
+            other = (f" ({_gb(r2['held_bytes'])} GB in the second, peak above held "
+                     f"{_gb(r2['peak_bytes'] - r2['held_bytes'])} GB there too)" if r2 and r2["ran"] else "")
+            lines.append(f"† {name}: re-derived from the raw results, not shown as recorded. The run measured it "
+                         "against the allocator's level before it was built, and bytes allocated before then were "
+                         f"freed during its run, so it recorded {_gb(r['held_bytes'])} GB held in the first repetition{other}: "
+                         "less than its own fp32 parameters and Adam moments, 12 bytes per parameter. Between steps "
+                         f"at world 1 it holds the same tensors as {MOVED_LEVEL[name]} ({_gb(held)} GB, measured); its "
+                         f"peak is that plus its measured peak above held, {_gb(r['peak_bytes'] - r['held_bytes'])} GB, "
+                         "which the moving level does not change. The scripts in gpu/ now measure against the level "
+                         "with no engine alive, so a new run needs no such step.")
+    return "\n\n".join(lines)
 
 
 def _psi_words(bench, run):
@@ -230,8 +289,16 @@ def _chapter9(results):
              "represent; on an 80 GB card that slack cost nothing, so nothing was retried or failed."]
     off = load("offload.json", results)
     pc = off["pcie"]
-    lines += ["", f"ZeRO-R's activation options under `zl.ZeRO(stage=2)` in bf16 (median step, peak allocated per "
-                  f"rank). Pinned copies over PCIe ran at {pc['host_to_device'] / 1e9:.0f} GB/s host to device and "
+    spread = "step_ms_min" in next(iter(off["runs"]["world1"]["rows"].values()))
+    lines += ["", f"ZeRO-R's activation options under `zl.ZeRO(stage=2)` in bf16 (peak allocated per rank; the step is "
+                  + ("the median of the timed steps, fastest and slowest in brackets" if spread else
+                     "the median of 5 timed steps of one run, which kept no per-step times, so no spread is shown; "
+                     "gpu/offload.py now keeps every step's time. The same engine on the same model without "
+                     "checkpointing, zl.ZeRO-2 in chapter 10's bench, took "
+                     + " and ".join(f"{_rows(b, 'world1')['zl.ZeRO-2']['step_ms']:.1f}" for b in _reps(results))
+                     + f" ms in its two repetitions, and {off['runs']['world1']['rows']['no checkpointing']['step_ms']:.1f} "
+                     "ms in the first row below")
+                  + f"). Pinned copies over PCIe ran at {pc['host_to_device'] / 1e9:.0f} GB/s host to device and "
                   f"{pc['device_to_host'] / 1e9:.0f} GB/s back. World 2 is two tensor-parallel ranks (Mesh dp=1, "
                   "mp=2) sharing the one GPU over gloo, so its step times are gloo's, not a GPU link's.", "",
               "| world | model | option | step (ms) | peak / rank (GB) | offloaded / step / rank (MB) |",
@@ -242,7 +309,8 @@ def _chapter9(results):
         for name, r in run["rows"].items():
             if r["ok"]:
                 backend = "NCCL" if "nccl" in run["backend"] else run["backend"]
-                lines.append(f"| {run['world_size']} ({backend}) | {psi} | {name} | {r['step_ms']:.1f} | "
+                step = f"{r['step_ms']:.1f}" + (f" ({r['step_ms_min']:.0f}-{r['step_ms_max']:.0f})" if spread else "")
+                lines.append(f"| {run['world_size']} ({backend}) | {psi} | {name} | {step} | "
                              f"{_gb(r['peak_bytes_per_rank'])} | {r['offloaded_bytes_per_step_per_rank'] / 1e6:.1f} |")
     sent = off["runs"]["world2"]["rows"]["P_a+cpu (offload)"]["offloaded_bytes_per_step_per_rank"]
     lines += ["", f"P_a needs a model-parallel group, so it runs at world 2 only. {sent / 1e6:.0f} MB offloaded a "
@@ -264,8 +332,9 @@ def _chapter10(results):
         if r["ran"]:
             lines.append(_bench_row(r, r2.get(r["engine"]), b1, b2))
         else:
-            lines.append(f"| {r['engine']} | not run: {r['error'][:80]} | | | | | | |")
-    return "\n".join(lines)
+            lines.append(f"| {r['engine']} | not run: {r['error'][:80]} | | | | | | | |")
+    note = _derived_note(b1, b2)
+    return "\n".join(lines + (["", note] if note else []))
 
 
 TEXT = {2: _chapter2, 5: _chapter5, 8: _chapter8, 9: _chapter9, 10: _chapter10,

@@ -8,7 +8,8 @@ A checkpoint is a directory:
 
     metadata.json                  the layout: every parameter's name, shape, and which file
                                    holds which element range of it, each file's size and
-                                   SHA-256, and its own SHA-256 over all of that; written LAST
+                                   SHA-256, and at its end its own SHA-256 over the bytes
+                                   before it (checked before parsing); written LAST
     shard-<id>-00000-of-00002.pt   what rank 0 owns: for each piece (parameter name, lo, hi)
                                    its fp32 master values and optimizer state; rank 0's file
                                    also holds the buffers; every file holds its rank's step
@@ -26,21 +27,28 @@ pieces that overlap it, so a checkpoint saved by ZeRO-3 on 2 ranks loads into Ze
 the metadata alone.
 
 Nothing is ever lost by a crash mid-save: shards are written under fresh names (a new <id> per
-save) into temporary files and renamed, and metadata.json (which names the shards to use) is
-replaced atomically only after every rank has written its shard. Until that rename the old
-metadata still points at the old, untouched shards. Old shards are removed after it.
+save) into temporary files created exclusively (a link planted at the name is not followed) and
+renamed, and metadata.json (which names the shards to use) is replaced atomically only after every
+rank has written its shard. Until that rename the old metadata still points at the old, untouched
+shards. Old shards are removed after it. A save that fails on one rank fails on every rank, and
+each removes the files it wrote (zerolab.checkpoint.atomic: a rank stopped with SIGTERM too).
 
-Loading never runs code (reader): shards are read with
+Every rank of the engine loads the same checkpoint: load compares its step and digest across the
+engine's ranks before anything else, and refuses on every rank, naming each rank's directory and
+step, if they differ. Loading never runs code (reader): shards are read with
 torch.load(weights_only=True) and the metadata is JSON. The metadata's digest covers the shards'
 sizes and SHA-256s, so a changed byte anywhere is found; only regular files inside the directory
-are read, each with a bound. A missing, truncated, corrupt or crafted file, a model or optimizer
-that does not match, a hyperparameter out of range raise CheckpointError naming the file and what
-is wrong, before anything in the engine has changed (validate). A save that
-fails leaves no file of its own behind.
+are read, each with a bound, and what a crafted file could make the reader build is bounded too
+(files: the metadata's size and number of values; reader: what a shard's zip may inflate to; extra
+at most 16 MiB of tensors and 1 MiB of other values). A missing, truncated, corrupt or crafted
+file, a model or optimizer that does not match, a hyperparameter out of range raise
+CheckpointError naming the file that holds what is wrong, before anything in the engine has
+changed on any rank (validate).
 
-The package: api (save, load, consolidate), writer (how a save writes and publishes), files (the
-files themselves: regular, bounded, digested), reader (a checkpoint read and verified), validate
-(does it fit this engine).
+The package: api (save, load, consolidate), writer (how a save writes and publishes), atomic (how
+any file is written: exclusively, then renamed; clean-up when stopped), files (the files
+themselves: regular, bounded, sealed), reader (a checkpoint read and verified), validate (does it
+fit this engine).
 """
 
 from .api import consolidate, load, save

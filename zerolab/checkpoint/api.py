@@ -7,13 +7,17 @@ from __future__ import annotations
 import os
 import random
 import secrets
+import zlib
 
 import torch
 
 from . import writer as checkpoint_writer
-from .reader import METADATA, CheckpointError, Reader, _check_path, check_save_dir  # noqa: F401 (CheckpointError: zl.checkpoint.CheckpointError)
+from .atomic import signals_held, stopping_cleanly
+from .reader import METADATA, CheckpointError, Reader, _check_path  # noqa: F401 (CheckpointError: zl.checkpoint.CheckpointError)
+from .writer import check_save_dir
 from .validate import check_fits
 from ..engines.base import Engine
+from ..engines.setup import _described_by, compare_rows
 
 
 # ------------------------------------------------------------------ what each engine owns
@@ -132,17 +136,19 @@ def save(engine, path, extra: dict | None = None) -> str:
         index = engine.replica_index
         opt_segments = _split(opt_segments, index, replicas)
         frozen_segments = _split(frozen_segments, index, replicas)
-    os.makedirs(path, exist_ok=True)
-    # one fresh id per save, the same on every rank: rank 0's random number wins
-    token = _agree(engine, secrets.randbits(62) if rank == 0 else 0, "max")
-    sid = f"{engine.steps:08d}-{token:016x}"
     mine: list = []     # the files this save has written: removed if it fails before it is published
-    try:
-        return checkpoint_writer.write(engine, path, extra, sid, kind, rank, size, opt_segments, frozen_segments,
-                                       mine, lambda value, op: _agree(engine, value, op))
-    except BaseException:
-        checkpoint_writer.remove_unpublished(path, mine)
-        raise
+    # (a launcher stops the other ranks of a failed job with SIGTERM: they remove their files first)
+    with stopping_cleanly():
+        try:
+            # one fresh id per save, the same on every rank: rank 0's random number wins
+            token = _agree(engine, secrets.randbits(62) if rank == 0 else 0, "max")
+            sid = f"{engine.steps:08d}-{token:016x}"
+            return checkpoint_writer.write(engine, path, extra, sid, kind, rank, size, opt_segments,
+                                           frozen_segments, mine, lambda value, op: _agree(engine, value, op))
+        except BaseException:
+            with signals_held():
+                checkpoint_writer.remove_unpublished(path, mine)
+            raise
 
 
 # ------------------------------------------------------------------ loading
@@ -154,20 +160,39 @@ def load(engine, path) -> dict:
     Same world size and engine: the run continues bit for bit as if it had never stopped (RNG
     states included). Another world size or stage: parameters and optimizer state are
     resharded from the metadata (step counts, scaler and `extra` come from rank 0's shard).
-    Every rank of the engine must call load.
+    Every rank of the engine must call load, with the same checkpoint: the ranks compare its step
+    and digest first, and refuse together (naming each rank's directory and step) if they differ;
+    a checkpoint that any rank refuses changes no rank.
     """
     path = _check_path(path)
     kind = _kind(engine)
     _check_no_model_parallelism(engine, "load")
     rank, size = _rank_size(engine)
-    # read and check everything before changing anything (zerolab.checkpoint.validate)
-    reader = Reader(path)
+    together = kind != "single" and size > 1     # ranks that load one checkpoint together
+    # read and check everything before changing anything (zerolab.checkpoint.validate), and
+    # agree with every rank that it is the same checkpoint and that it fits, before any rank changes
+    try:
+        reader, problem = Reader(path), None
+    except CheckpointError as e:
+        reader, problem = None, e
+    if together:
+        _check_same_checkpoint(engine, path, reader, problem)
+    if problem is not None:
+        raise problem
     same = reader.meta["world_size"] == size and reader.meta["engine"] == kind
     own = rank if reader.meta["world_size"] == size else 0
-    reader.check_model(engine.model)
-    info = reader.shard(own)
     opt_segments, frozen_segments, _, _ = engine.optimizer_segments(_names(engine.model))
-    check_fits(engine, reader, info, opt_segments, restore_rng=same)
+    try:
+        check_fits(engine, reader, own, opt_segments, restore_rng=same)
+    except CheckpointError as e:
+        problem = e
+    first_refused = _agree(engine, size if problem is None else rank, "min") if together else size
+    if problem is not None:
+        raise problem
+    if first_refused < size:
+        raise CheckpointError(f"{path}: rank {first_refused} refused this checkpoint (its error says why); "
+                              "no rank has changed anything")
+    info = reader.shard(own)
     optimizer = engine.optimizer
     with torch.no_grad():
         by_tensor: dict = {}
@@ -194,6 +219,29 @@ def load(engine, path) -> dict:
     if same:
         _set_rng_state(info["rng"])
     return dict(info["extra"])
+
+
+def _check_same_checkpoint(engine, path, reader, problem) -> None:
+    """Every rank of the engine's group was given the same checkpoint (step and digest, which
+    covers every shard), or every rank raises one CheckpointError naming each rank's directory and
+    step (zerolab.engines.setup.compare_rows: every rank takes part in the same collectives
+    whatever it finds). Ranks that all failed to read theirs raise their own errors after it."""
+    if reader is None:
+        row = (f"{path} (cannot be read: {str(problem)[-60:]})", -1)
+    else:
+        row = (f"step {reader.meta['steps']} (sha256 {reader.meta['sha256'][:12]}) in {path}",
+               zlib.crc32(f"{reader.meta['steps']}:{reader.meta['sha256']}".encode()))
+    try:
+        compare_rows([row], engine.comm, engine._src, lambda i: "checkpoints")
+    except ValueError:
+        group = _group(engine)
+        ranks = (torch.distributed.get_process_group_ranks(group) if group is not None
+                 else list(range(torch.distributed.get_world_size())))
+        said = [f"rank {r}: {_described_by(row[0], r, engine.comm)}" for r in ranks[:16]]
+        more = f"; and {len(ranks) - 16} more ranks" if len(ranks) > 16 else ""
+        raise CheckpointError(f"checkpoint.load: the ranks were given different checkpoints: {'; '.join(said)}{more}. "
+                              "Every rank must load the same checkpoint (one directory all ranks share); "
+                              "nothing was loaded") from None
 
 
 def _load_tensor(optimizer, reader, t, segs) -> None:

@@ -6,24 +6,38 @@ A checkpoint directory holds regular files only, and load and consolidate open n
     data = read_bounded(path, size)     # at most the size the metadata records (one byte more
                                         # tells a file that grew), so /dev/zero cannot flood memory
     size, sha256 = file_digest(path, expected_size)
+    pickled, stored = zip_sizes(data, path)   # what torch.load would inflate, from the zip's directory
 
-The metadata itself is covered by a digest: metadata.json holds "sha256", the SHA-256 of the
-rest of it written canonically (sorted keys, no spaces), and read_metadata refuses a file whose
-digest does not match. Since the metadata records every shard's size and SHA-256, one digest
-covers the whole checkpoint end to end: a changed byte anywhere is a CheckpointError naming the
-file, never a different model.
+The metadata is sealed: its last field, "sha256", is the SHA-256 of the file's bytes before that
+field (encode_metadata writes it, seal adds it to any JSON object), so read_metadata checks the
+raw bytes before json.loads builds anything from them. Since the metadata records every shard's
+size and SHA-256, one digest covers the whole checkpoint end to end: a changed byte anywhere is a
+CheckpointError naming the file, never a different model.
+
+A digest stops accidents, not someone who recomputes it; so what a crafted file can make the
+reader build is bounded too: metadata.json is at most MAX_METADATA_BYTES of ASCII holding at most
+MAX_METADATA_VALUES JSON values (counted on the raw bytes before parsing: the parser then builds at
+most about 2 bytes per byte plus 80 per value, ~100 MiB), and each shard's zip members may inflate
+to no more than its pieces' shapes and dtypes allow (zerolab.checkpoint.reader), `extra` included:
+at most MAX_EXTRA_BYTES of tensors and MAX_EXTRA_PICKLE of other Python values.
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import os
+import re
 import stat
+import zipfile
 
 METADATA = "metadata.json"
-MAX_METADATA_BYTES = 256 << 20    # a model with 100k parameters on 1000 ranks needs ~10 MiB
+MAX_METADATA_BYTES = 16 << 20     # ~100 bytes per piece: 150k pieces (ZeRO on 1000 ranks of a 100k-tensor model)
+MAX_METADATA_VALUES = 1_000_000   # ~7 per piece and parameter; each costs the parser at most ~80 bytes
+MAX_EXTRA_BYTES = 16 << 20        # the tensors in `extra` (a data position, a sampler's state)
+MAX_EXTRA_PICKLE = 1 << 20        # the other Python values in `extra` (numbers, strings, lists, dicts)
 BLOCK = 1 << 20
 
 
@@ -88,26 +102,71 @@ def file_digest(path: str, expected_size: int | None = None) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-# ------------------------------------------------------------------ the metadata and its digest
+def zip_sizes(data: bytes, path: str) -> tuple[int, int]:
+    """(pickled, stored): the bytes torch.load would inflate from the torch.save archive `data`,
+    its pickle and everything else (the tensors' storages), read from the zip's central
+    directory alone: nothing is inflated to learn them."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            members = archive.infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError, KeyError) as e:
+        raise CheckpointError(f"{path}: cannot be read as a weights-only torch file (not the zip archive "
+                              f"torch.save writes: {str(e)[:200]})") from None
+    pickled = sum(m.file_size for m in members if m.filename.rsplit("/", 1)[-1] == "data.pkl")
+    return pickled, sum(m.file_size for m in members) - pickled
 
 
-def canonical(meta: dict) -> bytes:
-    """The bytes the metadata's digest is taken over: everything but "sha256", keys sorted."""
+# ------------------------------------------------------------------ the metadata and its seal
+
+_SEAL = b',\n "sha256": "'      # the last field: the digest of every byte before its value
+_END = b'"\n}\n'
+_FORMAT = re.compile(rb'\A\{\s*"format":\s*(\d{1,9})\s*,')
+
+
+def seal(body: bytes) -> bytes:
+    """A JSON object's bytes with its seal appended as the last field: "sha256", the SHA-256 of
+    the bytes before the digest's first character."""
+    body = body.rstrip()
+    if not (body.startswith(b"{") and body.endswith(b"}") and body[1:-1].strip()):
+        raise ValueError("seal: body must be a JSON object with at least one field")
+    head = body[:-1].rstrip() + _SEAL
+    return head + hashlib.sha256(head).hexdigest().encode() + _END
+
+
+def encode_metadata(meta: dict) -> bytes:
+    """metadata.json's bytes: `meta` as indented ASCII JSON, sealed."""
     rest = {k: v for k, v in meta.items() if k != "sha256"}
-    return json.dumps(rest, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
-
-
-def with_digest(meta: dict) -> dict:
-    return {**meta, "sha256": hashlib.sha256(canonical(meta)).hexdigest()}
+    return seal(json.dumps(rest, indent=1, allow_nan=False).encode())
 
 
 def _no_constants(name):
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _check_seal(data: bytes, path: str) -> str:
+    """The digest the file's seal records, checked against its bytes; raises CheckpointError."""
+    digest_at = len(data) - len(_END) - 64
+    recorded = data[digest_at:digest_at + 64]
+    sealed = digest_at >= len(_SEAL) + 1 and data[digest_at - len(_SEAL):digest_at] == _SEAL \
+        and data.endswith(_END) and re.fullmatch(rb"[0-9a-f]{64}", recorded) is not None
+    if sealed and hashlib.sha256(memoryview(data)[:digest_at]).hexdigest() == recorded.decode():
+        return recorded.decode()
+    old = _FORMAT.match(data[:64])
+    if old and int(old.group(1)) < 3:
+        raise CheckpointError(f"{path}: written by an older zerolab (checkpoint format {int(old.group(1))}); "
+                              "this version reads format 3 only: load it with the version that wrote it, "
+                              "or consolidate it there and load the weights with engine.load_state_dict")
+    if not sealed:
+        raise CheckpointError(f"{path}: not valid zerolab checkpoint metadata (it does not end in its own "
+                              "SHA-256: cut short, or not written by zerolab)")
+    raise CheckpointError(f"{path}: its SHA-256 does not match its contents: the metadata was changed or "
+                          "is corrupt")
+
+
 def read_metadata(directory: str) -> dict:
-    """metadata.json of `directory`, parsed and checked against its own digest (the fields
-    themselves are checked by zerolab.checkpoint.reader)."""
+    """metadata.json of `directory`: read (bounded), its seal checked on the raw bytes, its size
+    in JSON values counted, and only then parsed (the fields themselves are checked by
+    zerolab.checkpoint.reader)."""
     path = os.path.join(directory, METADATA)
     if not os.path.isdir(directory):
         raise CheckpointError(f"{directory}: no such checkpoint directory")
@@ -115,18 +174,21 @@ def read_metadata(directory: str) -> dict:
         raise CheckpointError(f"{path}: missing; the directory holds no complete checkpoint "
                               "(a save that never finished leaves none)")
     data = read_bounded(path, MAX_METADATA_BYTES, "checkpoint metadata", exact=False)
+    digest = _check_seal(data, path)
+    if not data.isascii():
+        raise CheckpointError(f"{path}: not valid zerolab checkpoint metadata (zerolab writes ASCII only)")
+    # every value or key but the first follows one of these bytes (a string holding them counts
+    # extra, never fewer): an upper bound of what json.loads would build, known before it runs
+    values = 1 + sum(data.count(c) for c in (b",", b":", b"[", b"{"))
+    if values > MAX_METADATA_VALUES:
+        raise CheckpointError(f"{path}: holds up to {values:,} JSON values, more than any checkpoint's "
+                              f"metadata ({MAX_METADATA_VALUES:,}); crafted or not a checkpoint")
     try:
-        meta = json.loads(data.decode("utf-8"), parse_constant=_no_constants)
-        ok = isinstance(meta, dict) and isinstance(meta.get("sha256"), str) \
-            and hashlib.sha256(canonical(meta)).hexdigest() == meta["sha256"]
+        meta = json.loads(data, parse_constant=_no_constants)
     except RecursionError:
         raise CheckpointError(f"{path}: not valid zerolab checkpoint metadata (nested too deeply)") from None
-    except (ValueError, TypeError) as e:      # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+    except (ValueError, TypeError) as e:      # (JSONDecodeError is a ValueError)
         raise CheckpointError(f"{path}: not valid zerolab checkpoint metadata ({str(e)[:200]})") from None
-    if not ok:
-        if isinstance(meta, dict) and meta.get("format") == 1:
-            raise CheckpointError(f"{path}: written by an older zerolab (format 1, which no digest "
-                                  "covers); load it with that version and save it again")
-        raise CheckpointError(f"{path}: its SHA-256 does not match its contents: the metadata was "
-                              "changed or is corrupt")
+    if not isinstance(meta, dict) or meta.get("sha256") != digest:
+        raise CheckpointError(f"{path}: not valid zerolab checkpoint metadata (its seal is not its last field)")
     return meta

@@ -11,24 +11,29 @@ its docstring); load and consolidate read it through a Reader:
 Shards are read on demand and only with torch.load(weights_only=True), so loading never runs
 code; each is checked against the size and SHA-256 the metadata records, and the metadata
 against its own digest (zerolab.checkpoint.files: only regular files inside the directory, read
-with a bound). Then every field is checked before it is used: a malformed or crafted file is a
-CheckpointError naming the file and the field, never a raw KeyError, RecursionError or MemoryError.
+with a bound). Before torch.load inflates a shard, its zip members' sizes (from the zip's
+directory) are checked against what the metadata's pieces, dtypes and buffers allow, `extra` at
+its bounds (_inflates_to_at_most): a small file cannot declare gigabytes. Then every field is
+checked before it is used: a malformed or crafted file is a CheckpointError naming the file and
+the field, never a raw KeyError, RecursionError or MemoryError.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
-import secrets
 import os
 
 import torch
 
-from .files import (METADATA, CheckpointError, file_digest, open_regular, read_bounded,
-                               read_metadata)
+from .files import (MAX_EXTRA_BYTES, MAX_EXTRA_PICKLE, METADATA, CheckpointError, file_digest, open_regular,
+                    read_bounded, read_metadata, zip_sizes)
 
-FORMAT = 2          # 2: the metadata is covered by a digest and records its buffers' shapes
-__all__ = ["FORMAT", "METADATA", "CheckpointError", "Reader", "check_save_dir", "probe_save_dir", "file_digest",
+# 2: the metadata is covered by a digest and records its buffers' shapes; 3: the digest seals the
+# raw bytes (checked before parsing) and each shard records its optimizer state's dtypes (so
+# that what its zip may inflate to is known before torch.load runs)
+FORMAT = 3
+__all__ = ["FORMAT", "METADATA", "CheckpointError", "Reader", "file_digest",
            "identity"]
 
 
@@ -36,46 +41,6 @@ def _check_path(path, what="path"):
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"checkpoint: {what} must be a str or os.PathLike directory, got {type(path).__name__}")
     return os.fspath(path)
-
-
-def check_save_dir(path) -> str:
-    """Raise CheckpointError now (before training) unless `path` is, or can become, a writable
-    directory: a save that fails only at step 1000 loses 1000 steps."""
-    path = _check_path(path)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise CheckpointError(f"{path}: exists and is not a directory; checkpoints are directories")
-    parent = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise CheckpointError(f"{path}: cannot write there ({parent} is not writable)")
-    return path
-
-
-def probe_save_dir(path) -> str:
-    """check_save_dir, then the proof: the directory is made if it is missing, a file is written
-    into it and removed, and every directory made is removed again. (os.access says yes to /proc
-    and to read-only mounts for root; only a write tells.)"""
-    path = check_save_dir(path)
-    made, at = [], os.path.abspath(path)
-    while not os.path.exists(at):
-        made.append(at)
-        at = os.path.dirname(at)
-    probe = os.path.join(path, f".zerolab-probe-{secrets.token_hex(8)}")
-    try:
-        os.makedirs(path, exist_ok=True)
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        os.close(fd)
-        os.remove(probe)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot write a checkpoint there ({e.strerror})") from None
-    finally:
-        for d in made:                       # the deepest first
-            try:
-                os.rmdir(d)
-            except OSError:
-                pass
-    return path
 
 
 # ------------------------------------------------------------------ what a valid checkpoint holds
@@ -136,6 +101,9 @@ def _check_metadata(meta) -> None:
         _need(isinstance(s.get("files", []), list), f"shard {f!r}: files must be a list")
         for entry in s.get("files", []):
             _check_file_entry(entry, "linked")
+        _need(isinstance(s.get("state"), dict) and all(isinstance(k, str) and _dtype(v) is not None
+                                                       for k, v in s["state"].items()),
+              f"shard {f!r}: state must map optimizer state keys to dtypes")
         _need(isinstance(s.get("pieces"), list), f"shard {f!r} must list its pieces")
         for piece in s["pieces"]:
             _need(isinstance(piece, list) and len(piece) == 3 and isinstance(piece[0], str) and piece[0] in params
@@ -176,13 +144,14 @@ def _check_file_entry(entry, what) -> None:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _is_values(x, n, files) -> bool:
+def _is_values(x, n, files, dtype=None) -> bool:
     """A piece's values: a 1-D tensor of n elements, or a reference {file, dtype, offset} to n
-    elements inside one of the shard's linked files."""
+    elements inside one of the shard's linked files; of dtype `dtype` when it is given."""
     if isinstance(x, torch.Tensor):
-        return x.dim() == 1 and x.numel() == n and x.dtype.is_floating_point and x.layout == torch.strided
+        return x.dim() == 1 and x.numel() == n and x.dtype.is_floating_point and x.layout == torch.strided \
+            and (dtype is None or x.dtype == dtype)
     return (isinstance(x, dict) and set(x) == {"file", "dtype", "offset"} and x["file"] in files
-            and x["dtype"] in DTYPES and _is_int(x["offset"])
+            and x["dtype"] in DTYPES and _is_int(x["offset"]) and (dtype is None or DTYPES[x["dtype"]] == dtype)
             and (x["offset"] + n) * DTYPES[x["dtype"]].itemsize <= files[x["file"]])
 
 
@@ -191,6 +160,20 @@ def _numel(shape) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def _inflates_to_at_most(entry, meta) -> tuple[int, int]:
+    """(pickled, stored): the most a shard's torch.save archive may inflate to, from what the
+    metadata records of it: its pieces' values in fp32, their element-wise optimizer state in the
+    recorded dtypes, other optimizer state no larger than the values again (a step count, an
+    Adafactor's row and column factors), rank 0's buffers, 1 MiB (RNG states, the loss scaler) and
+    `extra` at its bounds; the pickle (piece names, hyperparameters) 4 KiB a piece besides."""
+    pieces = entry["pieces"]
+    per_element = 4 + sum(_dtype(d).itemsize for d in entry["state"].values()) + 4
+    buffers = sum(_numel(b["shape"]) * _dtype(b["dtype"]).itemsize for b in meta["buffers"].values())
+    stored = sum(hi - lo for _, lo, hi in pieces) * per_element + (buffers if entry["rank"] == 0 else 0) \
+        + 1024 * len(pieces) + (1 << 20) + MAX_EXTRA_BYTES
+    return 4096 * len(pieces) + (64 << 10) + MAX_EXTRA_PICKLE, stored
 
 
 def _check_shard(content, entry, meta, files) -> None:
@@ -206,8 +189,11 @@ def _check_shard(content, entry, meta, files) -> None:
               f"piece {name!r} [{lo}, {hi}) is not where the metadata says")
         _need(isinstance(piece.get("state"), dict) and all(isinstance(k, str) for k in piece["state"]),
               f"piece {name!r}: state malformed")
-        values = [piece.get("value")] + list(piece["state"].values())
-        _need(all(_is_values(v, hi - lo, files) for v in values) and isinstance(piece.get("scalars"), dict)
+        state = entry["state"]
+        _need(set(piece["state"]) <= set(state), f"piece {name!r}: state the metadata does not record")
+        _need(_is_values(piece.get("value"), hi - lo, files)
+              and all(_is_values(v, hi - lo, files, _dtype(state[k])) for k, v in piece["state"].items())
+              and isinstance(piece.get("scalars"), dict)
               and all(isinstance(k, str) for k in piece["scalars"]),
               f"piece {name!r} holds tensors of the wrong size or kind, or points outside its files")
     _need(content.get("steps") == meta["steps"] and _is_int(content.get("steps")),
@@ -266,6 +252,12 @@ class Reader:
             data = read_bounded(f, s["bytes"], f"shard of rank {s['rank']}")
             if hashlib.sha256(data).hexdigest() != s["sha256"]:
                 raise CheckpointError(f"{f}: corrupt: its SHA-256 does not match the metadata")
+            # what torch.load would inflate, from the zip's directory, before it inflates anything
+            (pickled, stored), (most_pickled, most_stored) = zip_sizes(data, f), _inflates_to_at_most(s, self.meta)
+            if pickled > most_pickled or stored > most_stored:
+                raise CheckpointError(f"{f}: would inflate to {stored:,} bytes of tensors and {pickled:,} of pickle; "
+                                      f"what the metadata records of this shard allows at most {most_stored:,} and "
+                                      f"{most_pickled:,} (a crafted file, or an `extra` beyond its bounds)")
             try:
                 content = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             except Exception as e:  # noqa: BLE001 - any unreadable file is reported the same way
@@ -279,6 +271,16 @@ class Reader:
                 raise CheckpointError(f"{f}: does not hold what the metadata lists ({str(e)[:300]})") from None
             self._cache[si] = content
         return self._cache[si]
+
+    def shard_path(self, si: int) -> str:
+        return os.path.join(self.path, self.meta["shards"][si]["file"])
+
+    def pieces_in_files(self, name, lo, hi):
+        """(piece dict, the path of the shard that holds it) of every saved piece of `name`
+        overlapping [lo, hi): an error about a piece's contents names its file."""
+        for si, pi, plo, phi in self.by_name.get(name, []):
+            if plo < hi and lo < phi:
+                yield self.shard(si)["pieces"][pi], self.shard_path(si)
 
     def _check_linked(self, entry) -> None:
         """A linked file (offload="disk"): its size and SHA-256, read a block at a time, at most

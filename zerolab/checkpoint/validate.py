@@ -3,7 +3,7 @@
 zerolab.checkpoint.reader has checked that the files are what the metadata says and that every
 field has the right form. What is left depends on the engine that loads it:
 
-    check_fits(engine, reader, info)     # raises CheckpointError, or the load cannot fail
+    check_fits(engine, reader, own, ...)   # raises CheckpointError, or the load cannot fail
 
 * the model's parameters, shapes and buffers (Reader.check_model), its precision;
 * the hyperparameters the load takes (lr, betas, weight decay...), range-checked: a checkpoint
@@ -114,13 +114,14 @@ def _scalar_problem(key, value, example):
     return None
 
 
-def check_optimizer_state(engine, reader, opt_segments, where) -> None:
+def check_optimizer_state(engine, reader, opt_segments) -> None:
     """Every piece the engine's optimizer state will come from holds the state a step of this
-    optimizer needs: the same keys in every piece that has state, scalars of the right kind."""
+    optimizer needs: the same keys in every piece that has state, scalars of the right kind.
+    An error names the shard file that holds the piece."""
     expected = expected_state(engine.optimizer)
     seen = None
     for _, _, name, lo, hi in opt_segments:
-        for piece, _, _ in reader.pieces(name, lo, hi):
+        for piece, where in reader.pieces_in_files(name, lo, hi):
             keys, scalars = set(piece["state"]), piece["scalars"]
             if not keys and not scalars:
                 continue          # never stepped (a parameter without a gradient yet): fresh state
@@ -135,7 +136,8 @@ def check_optimizer_state(engine, reader, opt_segments, where) -> None:
                     if why:
                         raise CheckpointError(f"{where}: optimizer state {key!r} of {name!r} = {value!r}: {why}")
             elif seen is not None and (keys, set(scalars)) != seen:
-                raise CheckpointError(f"{where}: the pieces' optimizer states hold different keys")
+                raise CheckpointError(f"{where}: the optimizer state of {name!r} holds {sorted(keys | set(scalars))}, "
+                                      f"another piece's {sorted(seen[0] | seen[1])}")
             seen = (keys, set(scalars))
 
 
@@ -169,17 +171,18 @@ def check_rng_state(state, where) -> None:
         raise CheckpointError(f"{where}: the RNG states are not valid ({str(e)[:200]})") from None
 
 
-def check_fits(engine, reader, info, opt_segments, restore_rng: bool) -> None:
-    """Everything zl.checkpoint.load will take from `reader` (this rank's shard is `info`),
-    checked against `engine` before anything changes; raises CheckpointError."""
-    where = reader.meta_path
+def check_fits(engine, reader, own: int, opt_segments, restore_rng: bool) -> None:
+    """Everything zl.checkpoint.load will take from `reader` (this rank's shard is shard `own`),
+    checked against `engine` before anything changes; raises CheckpointError naming the file that
+    holds what is wrong: the metadata for the model and its precision, a shard for the values."""
     reader.check_model(engine.model)
     reader.check_all()
     if reader.meta["precision"] != engine.precision.name:
-        raise CheckpointError(f"{where}: saved with precision {reader.meta['precision']!r}, "
+        raise CheckpointError(f"{reader.meta_path}: saved with precision {reader.meta['precision']!r}, "
                               f"the engine uses {engine.precision.name!r}")
+    info, where = reader.shard(own), reader.shard_path(own)
     check_param_groups(engine, info["param_groups"], where)
-    check_optimizer_state(engine, reader, opt_segments, where)
+    check_optimizer_state(engine, reader, opt_segments)
     check_precision_state(engine, info["precision"], where)
     if restore_rng:
         check_rng_state(info["rng"], where)

@@ -262,9 +262,8 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
                 with _interrupts_held(), _main_module_hidden(fn), _fork_server_told(private):
                     p.start()
                     procs.append(p)
-            except Exception as exc:  # noqa: BLE001 - typically an argument that cannot be pickled
-                raise LaunchError(f"launch: could not start rank {r}: {exc!r}. Every argument in "
-                                  "args must be picklable (tensors, numbers, dataclasses...).", r) from None
+            except Exception as exc:  # noqa: BLE001 - said as what it is: see _start_failure
+                raise LaunchError(_start_failure(r, exc), r) from None
             send.close()  # the child holds the only sending end: EOF means it died
             outputs.started(r)
             conns.append(receive)
@@ -283,6 +282,20 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
                 launch_startup.take(private, p.pid)   # a start-up traceback nobody quoted: remove its file
             outputs.close()
             outputs.show_rest(skip=quoted)
+
+
+def _start_failure(r: int, exc: Exception) -> str:
+    """Why rank r could not be started, as what it is: an argument that cannot be sent to a new
+    process (pickling fails), the operating system refusing (no fork server to ask, no processes
+    or memory left), or anything else, quoted."""
+    if isinstance(exc, pickle.PicklingError) or "pickle" in str(exc).lower():
+        return (f"launch: could not start rank {r}: {exc!r}. Every argument in args must be picklable "
+                "(tensors, numbers, dataclasses...).")
+    if isinstance(exc, OSError):
+        return (f"launch: could not start rank {r}: the operating system refused ({exc!r}); nothing of fn "
+                "ran. The fork server that starts the ranks may be gone (its socket removed, e.g. by a "
+                "clean-up of the temporary directory), or the machine out of processes or memory.")
+    return f"launch: could not start rank {r}: {exc!r}"
 
 
 @contextlib.contextmanager

@@ -162,9 +162,12 @@ def run(fn, args, rank_, world_size_, addr, port, backend, collective_timeout, c
     conn.close()
     if store is not None:
         # rank 0 hosts the store the others still talk to: it leaves last
-        store.add("zerolab/finished", 1)
-        if rank_ == 0:
-            _count_in(store, "zerolab/finished", world_size_, add=False)
+        try:
+            store.add("zerolab/finished", 1)
+            if rank_ == 0:
+                _count_in(store, "zerolab/finished", world_size_, add=False)
+        except BaseException:  # noqa: BLE001 - the result is already sent; a Ctrl-C can end
+            pass               # rank 0 (and its store) first, and that is not this rank's failure
     if dist.is_initialized():
         try:
             dist.destroy_process_group()

@@ -1,42 +1,34 @@
 """The book's one cost model: how long collectives and training steps take on a GPU cluster, on paper.
 
-The book's runs use gloo on a laptop CPU, whose timings say little about a GPU cluster. This
-module answers the cluster questions with arithmetic instead, and every chapter that quotes a
-time on a cluster asks it (chapters 4, 5, 8, 10 and 12; `zerolab.book.cost_checks` sets it
-beside published measurements).
+The book's runs use gloo on a laptop CPU, whose timings say little about a GPU cluster. Every chapter
+that quotes a time on a cluster asks this module instead (chapters 4, 5, 8, 10 and 12), and
+`zerolab.book.cost_checks` sets it beside published measurements.
 
-    from zerolab import cost_model as cm
+    from zerolab.theory import cost_model as cm
     cm.collective_seconds("all_reduce", 2 * 7e9, 8, cm.H100_CLUSTER)     # 7B bf16 grads, one node
-    cm.collective_seconds("all_gather", 2 * 7e9, 64, cm.H100_CLUSTER)    # 8 nodes
     cm.step_estimate(stage=3, psi=7e9, n=64, tokens_per_rank=4096, cluster=cm.H100_CLUSTER)
-
-Three layers, each a few lines:
 
 1. Links. A GPU reaches the GPUs of its node over NVLink (through NVSwitch), and other nodes
    through the node's network cards (NICs). Each link has a datasheet rate, the share of it
    NCCL's kernels deliver (its protocol overhead), and a latency per message step.
 2. Collectives. In the ring algorithm (chapter 4) each rank sends (N-1)/N of the tensor for a
-   reduce-scatter or an all-gather, twice that for an all-reduce. Across nodes NCCL runs
-   several rings at once, one or more per NIC, and each ring leaves a node through one hop
-   only. So per node the network carries one rank's bytes in all, spread over every NIC of the
-   node, while each GPU sends the rest, (r-1)/r of its bytes (r of its ranks per node), over
-   NVLink. The two kinds of link work at once; the slower of them sets the time. NCCL's tree
-   all-reduce moves the same bytes with a latency that grows with log2(nodes) instead of N;
-   NCCL picks whichever its model says is faster, and so does this one ("auto").
+   reduce-scatter or an all-gather, twice that for an all-reduce. Across nodes NCCL runs several
+   rings at once, one or more per NIC, each leaving a node through one hop: per node the network
+   carries one rank's bytes in all, spread over every NIC, while each GPU sends the rest, (r-1)/r
+   of its bytes (r of its ranks per node), over NVLink, at the same time; the slower link sets the
+   time. NCCL's tree all-reduce moves the same bytes at 0.92 of the ring's bandwidth, with a
+   latency that grows with log2(nodes) instead of N; "auto" picks the faster, as NCCL does: the
+   tree for small messages across many nodes, the ring for large ones.
 3. A training step: compute from the 6 * params * tokens rule at a stated fraction of the GPU's
-   datasheet peak (MFU), communication from the ZeRO paper's volumes (2 Psi for DDP, ZeRO-1 and
-   ZeRO-2; 3 Psi for ZeRO-3), and the part of the communication the compute cannot hide.
+   datasheet peak (MFU; chapter 10 derives it from a roofline, zerolab.theory.roofline),
+   communication from the ZeRO paper's volumes (2 Psi for DDP, ZeRO-1 and ZeRO-2; 3 Psi for
+   ZeRO-3), and the part of the communication the compute cannot hide.
 
-What the model leaves out (zerolab.book.cost_checks shows what each costs against published
-measurements):
-- In-network reduction: NVLink SHARP (NVLS) on H100 NVSwitches and SHARP on InfiniBand switches
-  add inside the network, so each GPU sends its data about once instead of 2(N-1)/N times;
-  NCCL uses NVLS for all-reduce by default on H100 nodes (about 480 GB/s bus bandwidth against
-  the ring's 370). The model's all-reduce is the ring's or the tree's: a floor on speed there.
-- Congestion in the network between nodes, stragglers, and message sizes below a few megabytes,
-  where NCCL switches to low-latency protocols with other constants.
-- Overlap is not free: NCCL's kernels occupy streaming multiprocessors and memory bandwidth, so
-  the compute beside them runs slower. The exposed time below is a lower bound.
+Left out (zerolab.book.cost_checks shows what each costs against published measurements):
+in-network reduction (NVLink SHARP on H100 NVSwitches, about 480 GB/s bus bandwidth against the
+ring's 370, and SHARP on InfiniBand switches: the model's all-reduce is a floor on speed there);
+congestion, stragglers, and the low-latency protocols NCCL uses below a few megabytes; and the
+compute that overlapped NCCL kernels slow down (the exposed time below is a lower bound).
 """
 
 from __future__ import annotations
@@ -52,16 +44,17 @@ ALGORITHMS = ("auto", "ring", "tree")
 @dataclass(frozen=True)
 class Link:
     """One GPU's NVLink, or one network card, in ONE direction.
-
     line_rate_Bps: the datasheet rate in one direction (datasheets often add both directions).
     efficiency: the share of the line rate NCCL's kernels deliver (protocol overhead).
-    alpha_s: seconds of latency per ring step over this link (NCCL's own tuning model).
+    alpha_s: seconds of latency per ring step over this link (NCCL's own tuning model);
+    tree_alpha_s: per step of NCCL's tree, where it differs from the ring's (None: the same).
     """
 
     name: str
     line_rate_Bps: float
     efficiency: float
     alpha_s: float
+    tree_alpha_s: float | None = None
 
     @property
     def bandwidth_Bps(self) -> float:
@@ -97,28 +90,30 @@ class Cluster:
         return self.nics_per_node * self.nic.bandwidth_Bps
 
 
-# Efficiencies, the two constants fitted to nothing in the comparison table:
+# Efficiencies, each set from one published figure (zerolab.book.cost_checks keeps the rows that restate them apart):
 # - NVLink: "Each NVLink has a line rate of 25GB/s (in each direction) which converts to ~20GB/s
 #   effective bandwidth with a 128B payload size" (S. Jeaugey, NCCL's maintainer, NVIDIA/nccl-tests
 #   issue 149, 2023): 20 / 25.
 # - network: "For NDR @ 400Gbps you should see 46-48GB/s per NIC" (D. Addison, NVIDIA,
 #   NVIDIA/nccl-tests issue 290, 2025): 47 / 50.
-NVLINK_EFFICIENCY = 20 / 25
-NIC_EFFICIENCY = 47 / 50
-# Latencies: NCCL 2.30's tuning model (src/graph/tuning.cc, ncclTunerConstantsDefaults, bulk
-# "Simple" protocol): 8.4 us per collective call, 3.4 us per ring step over NVLink, 14 us per
-# step over the network. They matter only for messages below a few megabytes.
+NVLINK_EFFICIENCY, NIC_EFFICIENCY = 20 / 25, 47 / 50
+# Latencies: NCCL 2.28's tuning model (the version the book's GPU box ran, 2.28.9: src/graph/tuning.cc,
+# ncclTunerConstantsDefaults, bulk "Simple" protocol): 8.4 us per collective call, 3.4 us per ring
+# step over NVLink (4.0 us per tree step), 14 us per step over the network (ring and tree). They
+# matter only for messages below a few megabytes. The same file scales the tree all-reduce's
+# bandwidth by 0.92.
 NCCL_BASE_LATENCY_S = 8.4e-6
-NVLINK_ALPHA_S, NETWORK_ALPHA_S = 3.4e-6, 14e-6
+NVLINK_ALPHA_S, NVLINK_TREE_ALPHA_S, NETWORK_ALPHA_S = 3.4e-6, 4.0e-6, 14e-6
+TREE_BANDWIDTH_FACTOR = 0.92
 
 # Links, line rates from the datasheets, one direction per GPU or per card:
 # NVLink 4 on H100 SXM: 900 GB/s both directions (NVIDIA H100 datasheet); NVLink 3 on A100 SXM:
 # 12 links of 25 GB/s; NVLink 2 on V100 SXM: 6 links of 25 GB/s (the ZeRO paper's "300GB/sec"
 # counts both directions). NICs: 400 Gb/s NDR (DGX H100), 200 Gb/s HDR (DGX A100), 100 Gb/s EDR
 # (DGX-2, the ZeRO paper's "12.5 GB/sec per link").
-NVLINK4 = Link("NVLink 4 (H100)", 450e9, NVLINK_EFFICIENCY, NVLINK_ALPHA_S)
-NVLINK3 = Link("NVLink 3 (A100)", 300e9, NVLINK_EFFICIENCY, NVLINK_ALPHA_S)
-NVLINK2 = Link("NVLink 2 (V100)", 150e9, NVLINK_EFFICIENCY, NVLINK_ALPHA_S)
+NVLINK4 = Link("NVLink 4 (H100)", 450e9, NVLINK_EFFICIENCY, NVLINK_ALPHA_S, NVLINK_TREE_ALPHA_S)
+NVLINK3 = Link("NVLink 3 (A100)", 300e9, NVLINK_EFFICIENCY, NVLINK_ALPHA_S, NVLINK_TREE_ALPHA_S)
+NVLINK2 = Link("NVLink 2 (V100)", 150e9, NVLINK_EFFICIENCY, NVLINK_ALPHA_S, NVLINK_TREE_ALPHA_S)
 IB_NDR400 = Link("InfiniBand NDR 400 Gb/s", 50e9, NIC_EFFICIENCY, NETWORK_ALPHA_S)
 IB_HDR200 = Link("InfiniBand HDR 200 Gb/s", 25e9, NIC_EFFICIENCY, NETWORK_ALPHA_S)
 IB_EDR100 = Link("InfiniBand EDR 100 Gb/s", 12.5e9, NIC_EFFICIENCY, NETWORK_ALPHA_S)
@@ -157,7 +152,8 @@ def assumption_rows(cluster: Cluster) -> list[tuple[str, str]]:
     """(what, value) for each hardware figure a cluster's estimates rest on, for the chapters' tables."""
     def link(lk: Link) -> str:
         return (f"{lk.name}: {lk.line_rate_Bps / 1e9:g} GB/s line rate x {lk.efficiency:.2f} = "
-                f"{lk.bandwidth_Bps / 1e9:.0f} GB/s each way, {lk.alpha_s * 1e6:g} µs per ring step")
+                f"{lk.bandwidth_Bps / 1e9:.0f} GB/s each way, {lk.alpha_s * 1e6:g} µs per ring step"
+                + (f" ({lk.tree_alpha_s * 1e6:g} per tree step)" if lk.tree_alpha_s not in (None, lk.alpha_s) else ""))
     return [("GPUs per node", f"{cluster.gpus_per_node}"),
             ("each GPU's NVLink", link(cluster.nvlink)),
             ("each network card", link(cluster.nic)),
@@ -250,12 +246,14 @@ def _layout(n: int, cluster: Cluster, ranks_per_node: int | None) -> tuple[int, 
 
 def _latency(kind: str, algorithm: str, n: int, r: int, nodes: int, cluster: Cluster) -> float:
     """NCCL's latency model (tuning.cc): a fixed cost per call plus one per step, the network's
-    for the steps that cross nodes and NVLink's for the others."""
+    for the steps that cross nodes and NVLink's for the others (the tree's own per-step values)."""
     a_nv, a_net = cluster.nvlink.alpha_s, cluster.nic.alpha_s
     if kind == "all_to_all":                   # every pair at once: one step, over the slowest link
         return cluster.base_latency_s + (a_net if nodes > 1 else a_nv)
     if algorithm == "tree":                    # up the tree and down: a chain in the node, log2 across
-        return cluster.base_latency_s + 2 * ((r - 1) * a_nv + int(math.log2(nodes)) * a_net)
+        tree_nv = cluster.nvlink.tree_alpha_s or a_nv
+        tree_net = cluster.nic.tree_alpha_s or a_net
+        return cluster.base_latency_s + 2 * ((r - 1) * tree_nv + int(math.log2(nodes)) * tree_net)
     steps = ring_steps(kind, n)
     crossing = 0 if nodes == 1 else (2 * (nodes - 1) if kind == "all_reduce" else nodes - 1)
     return cluster.base_latency_s + (steps - crossing) * a_nv + crossing * a_net
@@ -293,8 +291,9 @@ def collective_cost(kind: str, nbytes: float, n: int, cluster: Cluster, *, ranks
         nvlink_bytes = (r - 1) / r * sent
         network_bytes = sent
     network_share = cluster.network_Bps * r / cluster.gpus_per_node
+    slow = 1 / TREE_BANDWIDTH_FACTOR if algorithm == "tree" else 1.0     # tuning.cc: the tree's busBw * 0.92
     return Cost(kind, algorithm, _latency(kind, algorithm, n, r, nodes, cluster), nvlink_bytes, network_bytes,
-                nvlink_bytes / cluster.nvlink.bandwidth_Bps, network_bytes / network_share)
+                slow * nvlink_bytes / cluster.nvlink.bandwidth_Bps, slow * network_bytes / network_share)
 
 
 def collective_seconds(kind: str, nbytes: float, n: int, cluster: Cluster, *, ranks_per_node: int | None = None,

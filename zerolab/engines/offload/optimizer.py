@@ -36,8 +36,9 @@ apart from `engine.comm`, the ledger of the network. memory_report() adds "devic
 On a machine without an accelerator, "device" and "host" are the same RAM. The copies are
 still made (separate tensors) and counted: the data flow is the one a GPU would run, and the
 bytes are the bytes a PCIe bus would carry; only the seconds are not a bus's seconds. (The
-tests run on CPU with gloo; the CUDA details here, pinning and synchronising, have not yet run
-on a GPU.)
+tests run on CPU with gloo; the CUDA paths here, pinning and synchronising, ran on an H100 with
+offload="optimizer" at stages 1-3, gpu/offload_cuda.py; offload="disk" has not yet completed a
+step on GPU tensors there.)
 
 delay_update=True is ZeRO-Offload's one-step delayed parameter update (DPU): step() runs the
 engine's step (gradients down, the finite check, clipping) and only its update changes: the
