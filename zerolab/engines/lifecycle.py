@@ -103,13 +103,22 @@ class Lifecycle:
         self.phase = Phase.REDUCED if self.reducing or self.world_size == 1 else Phase.ACCUMULATED
 
     # -------------------------------------------------------------- step
-    def check_step(self, has_optimizer: bool, grad_scaler: bool, precision: str) -> None:
+    def check_step(self, has_optimizer: bool, grad_scaler: bool, precision: str,
+                   sharded: bool = False) -> None:
         """Refuse a step whose gradients are not what it should apply."""
         if not has_optimizer:
             raise RuntimeError(
                 f"{self.engine} was built without an optimizer, as DistributedDataParallel is: "
                 "step your own (built on engine.parameters()) after loss.backward(); the gradients "
                 "in p.grad are already averaged over ranks.")
+        if grad_scaler and precision == "fp32":
+            raise RuntimeError(
+                f"torch.amp.GradScaler on {self.engine}: each rank holds only its slice of the "
+                "averaged gradient, so each rank's scaler would look for an overflow in a different "
+                "slice, and the ranks would disagree on skipping a step (one updates and gathers, the "
+                "other waits). Drop the GradScaler and use precision='fp16' with engine.backward(loss): "
+                "the engine scales the loss and every rank agrees on each skip. (zl.DDP, whose "
+                "gradients are whole on every rank, takes a GradScaler.)")
         if grad_scaler:
             raise RuntimeError(
                 f"torch.amp.GradScaler with precision={precision!r}: the engine keeps fp32 master "

@@ -106,9 +106,10 @@ def hand_over(opt, engine, state=None) -> None:
         if engine.sharded:              # (zl.DDP's views are whole: its state dict is already)
             opt.register_state_dict_post_hook(_whole_state)
         opt.register_load_state_dict_pre_hook(_this_ranks_state)
-    if engine.precision.policy.needs_master:
-        # torch.amp.GradScaler (for fp32 weights under autocast) then calls step() itself,
-        # which refuses it by name (Engine._check_step) instead of failing deep inside
+    if engine.precision.policy.needs_master or engine.sharded:
+        # torch.amp.GradScaler (for fp32 weights under autocast) then calls step() itself on
+        # every rank, which refuses it by name (Engine._check_step) instead of failing deep
+        # inside; sharded: instead of one rank skipping the step (and its collectives) alone
         opt._step_supports_amp_scaling = True
     if state is not None:
         opt.load_state_dict(state)

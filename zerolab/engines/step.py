@@ -114,7 +114,7 @@ class Step:
     def _check_step(self, optimizer) -> None:
         """Refuse a step whose gradients are not what it should apply (engines.lifecycle)."""
         self.life.check_step(self.optimizer is not None, getattr(optimizer, "found_inf", None) is not None,
-                             self.precision.name)
+                             self.precision.name, self.sharded)
 
     def _start_step(self) -> None:
         """The first thing a step does once it is accepted (ZeRO-3 releases gathered units;
