@@ -251,36 +251,40 @@ def bytes_and_memory(with_memory: bool = True):
 
 
 def optimizer_step_times(size: str = "small", bucket_mb: float = 1.0, steps: int = 30) -> dict:
-    """AdamW steps on a GPT's parameters one by one, and on the same numbers laid out in flat
-    buckets as zl.DDP lays them out. Every step's ms for each (the two alternate, so a busy
-    moment of the machine hits both), their medians, and the largest difference between the two
-    results after `steps` steps (the same random gradients for both)."""
+    """AdamW steps on a GPT's parameters three ways: one tensor at a time (torch's default on a
+    CPU), all parameters in each operation (foreach=True, what the engines turn on), and the same
+    numbers laid out in flat buckets as zl.DDP lays them out. Every step's ms for each (the three
+    alternate, so a busy moment of the machine hits all of them), and the largest difference
+    between the parameter-wise and the flat results after `steps` steps (the same random gradients)."""
     from ..buckets import FlatBuckets, bucket_order
     torch.manual_seed(0)
     separate = GPT(gpt_config(size))
+    together = GPT(gpt_config(size))
     flat_model = GPT(gpt_config(size))
+    together.load_state_dict(separate.state_dict())
     flat_model.load_state_dict(separate.state_dict())
     fb = FlatBuckets(bucket_order(flat_model), bucket_mb * 2**20, world_size=1)
     fb.bind_params()
     fb.bind_grads()
-    params = list(separate.parameters())
+    params, params_together = list(separate.parameters()), list(together.parameters())
     flats = [b.data for b in fb.buckets]
-    opt_separate = torch.optim.AdamW(params, lr=1e-3)
-    opt_flat = torch.optim.AdamW(flats, lr=1e-3)
-    times = {"per_parameter": [], "flat": []}
+    optimizers = {"per_parameter": torch.optim.AdamW(params, lr=1e-3, foreach=False),
+                  "foreach": torch.optim.AdamW(params_together, lr=1e-3, foreach=True),
+                  "flat": torch.optim.AdamW(flats, lr=1e-3, foreach=False)}
+    times = {k: [] for k in optimizers}
     for _ in range(steps):
-        for p, q in zip(params, flat_model.parameters()):
+        for p, p2, q in zip(params, params_together, flat_model.parameters()):
             p.grad = torch.randn_like(p)
+            p2.grad = p.grad.clone()
             q.grad.copy_(p.grad)            # q.grad is q's view of its bucket's flat gradient
         for f, b in zip(flats, fb.buckets):
             f.grad = b.grad
-        t = time.perf_counter()
-        opt_separate.step()
-        times["per_parameter"].append(time.perf_counter() - t)
-        t = time.perf_counter()
-        opt_flat.step()
-        times["flat"].append(time.perf_counter() - t)
-    diff = max((p - q).abs().max().item() for p, q in zip(params, flat_model.parameters()))
+        for name, opt in optimizers.items():
+            t = time.perf_counter()
+            opt.step()
+            times[name].append(time.perf_counter() - t)
+    diff = max(max((p - q).abs().max().item(), (p2 - q).abs().max().item())
+               for p, p2, q in zip(params, params_together, flat_model.parameters()))
     return {"tensors": len(params), "buckets": len(flats), "max_abs_diff": diff,
             **{k: statistics.median(v) * 1e3 for k, v in times.items()},
             "ms": {k: [t * 1e3 for t in v] for k, v in times.items()}}

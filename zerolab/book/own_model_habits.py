@@ -33,16 +33,21 @@ def precision_habits() -> dict:
     rank, world = demo.where()
     ids = demo.tokens(0, 0, rank, world)
     out = {}
-    # 1. PyTorch's recipe for fp16: GradScaler around the optimizer the engine steps
-    engine, optimizer = _engine("fp32")
-    scaler = torch.amp.GradScaler("cpu")
-    try:
-        scaler.scale(engine(input_ids=ids, labels=ids).loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        out["GradScaler around the engine's optimizer"] = ("trained", None)
-    except Exception as e:  # noqa: BLE001 - what a user would see is the point
-        out["GradScaler around the engine's optimizer"] = (f"{type(e).__name__}: {demo.first_line(e)}", None)
+    # 1. PyTorch's recipe for fp16: GradScaler around the optimizer the engine steps, on an fp32
+    # engine (it trains: the optimizer's parameters are the ones whose gradients the scaler reads)
+    # and on an fp16 engine (two scalers on one loss: refused by name)
+    for habit, precision in (('GradScaler around precision="fp32"', "fp32"),
+                             ('GradScaler around precision="fp16"', "fp16")):
+        engine, optimizer = _engine(precision)
+        engine.comm.reset()
+        scaler = torch.amp.GradScaler("cpu")
+        try:
+            scaler.scale(engine(input_ids=ids, labels=ids).loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            out[habit] = ("trained", _grad_bytes(engine))
+        except Exception as e:  # noqa: BLE001 - what a user would see is the point
+            out[habit] = (f"{type(e).__name__}: {demo.first_line(e)}", None)
     # 2. zerolab's fp16: the engine scales the loss, unscales, checks for overflow, skips if it must
     engine, _ = _engine("fp16")
     engine.comm.reset()
