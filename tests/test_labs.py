@@ -156,6 +156,20 @@ def test_a_wait_in_place_is_named_by_the_line_that_waited(reports, name, mistake
     assert "none of them" in first.line and "async_op=True" in first.hint
 
 
+def test_an_out_of_order_launch_is_told_to_launch_every_complete_bucket_in_order(reports):
+    """Not "launch self._next, and only it", which reads as one launch per hook."""
+    first = reports[("ddp", "mistake", "launches_when_full_in_any_order")].first_failure
+    assert "every complete bucket from self._next on" in first.hint and "only it" not in first.hint
+
+
+def test_lab_6s_helpers_are_the_labs_own_documented_names():
+    from zerolab.labs import zero3
+    for name in ("storage_alloc", "storage_free", "mark_released"):
+        fn = getattr(zero3, name)
+        assert fn.__module__ == "zerolab.labs.zero3" and fn.__name__ == name
+        assert len(fn.__doc__ or "") > 200, name
+
+
 def test_a_file_that_does_not_import_is_reported_without_starting_ranks(reports):
     first = reports[("ddp", "file", "broken_ddp.py")].first_failure
     assert first.key == "file" and "does not import" in first.line and "SyntaxError" in first.line
