@@ -2,8 +2,8 @@
 
 Write the four methods of the reducer below. DDPLab is zl.DDP with them left out; its docstring
 lists the state you can use (zerolab.labs.ddp.DDPLab). The grader trains a small model on 2 ranks for
-3 steps, the second of two micro-batches (the first inside no_sync()), and compares with one
-process on the global batch. Stuck? The lab's notebook has hints, folded: open one at a time.
+3 steps, numbered 0, 1 and 2 as its messages number them; step 1 is two micro-batches (the first
+inside no_sync()). It compares with one process on the global batch. Stuck? The lab's notebook has hints, folded: open one at a time.
 
     python -m zerolab.labs grade ddp labs/lab3_ddp.py
 """
@@ -47,7 +47,14 @@ class MyDDP(DDPLab):
 
         May use: self.buckets.buckets[b].grad, self.world_size, self.comm (the ledger:
         all_reduce(tensor, op="sum", async_op=False, tag="") returns a handle with .wait() when
-        async_op=True, and None after the collective is done otherwise)."""
+        async_op=True, and None after the collective is done otherwise).
+
+        A slot whose parameter this backward did not reach still holds what it held at the last
+        step (zero_grad sets p.grad to None and leaves the bucket's numbers as they are). zl.DDP's
+        own reducer zeroes such slots before the all-reduce, so that they contribute nothing. You
+        need not: in this lab every backward reaches every parameter, except the layer the
+        grader's second model never calls, whose slots have never held a gradient (they are
+        zeros). Reduce the whole bucket as it is."""
         raise NotImplementedError("_reduce")
 
     def _finish_backward(self):

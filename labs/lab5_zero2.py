@@ -4,8 +4,9 @@ accumulate micro-batches in fp32 (chapter 7).
 Write the three methods below. ZeRO2Lab is zl.ZeRO(stage=2) with them left out; its docstring
 lists the state you can use (zerolab.labs.zero2.ZeRO2Lab): the pool of communication buffers, the
 owned gradient slices. The reducer that calls them launches each bucket the moment it is full, in
-order, and waits for it later. The grader trains a small model on 2 ranks (fp32, and a bf16 step
-of two micro-batches). Stuck? The lab's notebook has hints, folded: open one at a time.
+order, and waits for it later. The grader trains a small model on 2 ranks: 3 steps in fp32, numbered
+0, 1 and 2 as its messages number them (step 1 of two micro-batches), then a bf16 step of two
+micro-batches. Stuck? The lab's notebook has hints, folded: open one at a time.
 
     python -m zerolab.labs grade zero2 labs/lab5_zero2.py
 """

@@ -4,7 +4,8 @@ Write the five methods of a unit and the engine's prefetch below. UnitLab and Ze
 library's classes with them left out; their docstrings list the state you can use
 (zerolab.labs.zero3). WHEN each is called (the hooks around every unit's forward and backward) is
 the library's. The grader trains a small model of 3 blocks (each a unit, plus a root unit) on 2
-ranks with prefetch=1, and compares with one process on the global batch. Stuck? The lab's
+ranks with prefetch=1, for 3 steps numbered 0, 1 and 2 as its messages number them (step 1 of two
+micro-batches), and compares with one process on the global batch. Stuck? The lab's
 notebook has hints, folded: open one at a time.
 
 `phase` says why a method is called: "forward" (a unit's forward, or prefetching for it),
@@ -55,7 +56,9 @@ class MyUnit(UnitLab):
 
     def reduce_scatter(self):
         """The unit's backward is done: self.grad_full holds its full gradient (flat and padded;
-        None if no gradient reached the unit on this rank, which then contributes zeros). Start the
+        None if no gradient reached the unit on this rank, which then contributes zeros: a flat
+        tensor of padded_numel zeros, in the dtype and on the device of the unit's full buffer,
+        self.full["train"]: fp32 on the CPU here). Start the
         reduction that leaves this rank, once it is waited for, with the mean over the ranks of
         its shard of that gradient, and return at once: backward goes on meanwhile.
 
@@ -82,11 +85,13 @@ class MyZeRO3(ZeRO3Lab):
 
     def _prefetch_after(self, order, u, phase):
         """Unit u is about to compute. Start gathering the units needed after it, so that their
-        parameters travel while u computes: self.prefetch of them (1 here). `order` lists the
-        units in the order this phase needs them (forward: the last forward's order; backward: the
-        reverse of the order in which their forwards ENDED). In backward, a unit whose backward is
-        already done will not be needed again in this step. Nothing to do if self.prefetch is 0 or
-        u is not in `order`.
+        parameters travel while u computes: exactly self.prefetch of them (1 here), no more (each
+        unit gathered ahead holds its full parameters until it is used). `order` lists the units in
+        the order this phase needs them (forward: the last forward's order; backward: the reverse
+        of the order in which their forwards ENDED). In backward, a unit whose backward is already
+        done will not be needed again in this step: skip past it, and still gather self.prefetch
+        of the units after u that are needed (fewer only if fewer are left). Nothing to do if
+        self.prefetch is 0 or u is not in `order`.
 
         May use: order, self.prefetch, v.gather(phase) (returns at once), v.reduced (True once v's
         backward is done in this step)."""

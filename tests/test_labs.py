@@ -52,6 +52,85 @@ NO_FLAT_MASTERS = textwrap.dedent('''
 ''')
 
 
+# lab 7 written from its brief alone (labs/lab7_views.py's docstrings): its own bookkeeping, not the
+# library's, so the grader must not lean on anything the brief does not ask for
+FROM_THE_BRIEF_VIEWS = textwrap.dedent('''
+import torch
+
+from zerolab.labs.views import ParamViewsLab, pack, unpack
+
+
+class MyViews(ParamViewsLab):
+    def _cut(self, i, flat, bucket, s):
+        for p, off, size in zip(bucket.params, bucket.offsets, bucket.sizes):
+            a, b = max(off, s.start), min(off + size, s.stop)
+            if a >= b:
+                self.view_of[id(p)] = flat.new_empty(0)
+                self.where[id(p)] = None
+                continue
+            v = flat[a - s.start:b - s.start]
+            if b - a == size:
+                v = v.view(p.shape)
+            self.view_of[id(p)] = v
+            self.where[id(p)] = (i, a - s.start, b - s.start)
+            self.piece[id(p)] = (a - off, b - off)
+
+    def place(self, optimizer):
+        self.order = []
+        for g in optimizer.param_groups:
+            self.order += list(g["params"])
+            g["params"] = [self.view_of.get(id(p), p) for p in g["params"]]
+
+    def point_grads(self, skip):
+        for p in self.params:
+            w = self.where[id(p)]
+            v = self.view_of[id(p)]
+            if w is None or id(p) in skip:
+                v.grad = None
+                continue
+            i, a, b = w
+            v.grad = self.masters[i].grad[a:b].view(v.shape)
+
+    def pieces(self, local):
+        mine = {}
+        for k, p in enumerate(self.order):
+            if k in local and self.where.get(id(p)) is not None:
+                mine[k] = (self.piece[id(p)], local[k])
+        return pack(mine)
+
+    def assemble(self, local, blobs):
+        out = {}
+        for blob in blobs:
+            for k, ((a, b), st) in unpack(blob).items():
+                p = self.order[k]
+                entry = out.setdefault(k, {})
+                for name, val in st.items():
+                    if torch.is_tensor(val) and val.dim() > 0:
+                        if name not in entry:
+                            entry[name] = torch.zeros(self.shape[id(p)], dtype=val.dtype)
+                        entry[name].view(-1)[a:b] = val.reshape(-1)
+                    else:
+                        entry[name] = val
+        return {k: out[k] for k in sorted(out)}
+
+    def shard(self, state, groups):
+        keys = [key for g in groups for key in g["params"]]
+        out = {}
+        for pos, key in enumerate(keys):
+            if key not in state:
+                continue
+            p = self.order[pos]
+            if self.where.get(id(p)) is None:
+                continue
+            a, b = self.piece[id(p)]
+            shape = self.view_of[id(p)].shape
+            out[key] = {name: (val.reshape(-1)[a:b].reshape(shape).clone()
+                               if torch.is_tensor(val) and val.dim() > 0 else val)
+                        for name, val in state[key].items()}
+        return out
+''')
+
+
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> dict:
     """{(lab, kind, name): Report} for every case, graded once for the whole module."""
@@ -62,7 +141,8 @@ def reports(tmp_path_factory) -> dict:
         f.write(CRASHING)
     with open(broken, "w") as f:
         f.write("class MyDDP(:\n")
-    students = {"empty_ddp.py": EMPTY, "no_flat_masters.py": NO_FLAT_MASTERS}
+    students = {"empty_ddp.py": EMPTY, "no_flat_masters.py": NO_FLAT_MASTERS,
+                "from_the_brief_views.py": FROM_THE_BRIEF_VIEWS}
     for name, text in students.items():
         with open(os.path.join(tmp, name), "w") as f:
             f.write(text)
@@ -74,7 +154,8 @@ def reports(tmp_path_factory) -> dict:
         cases.append((name, ("file", os.path.join(LABS_DIR, lab.stub_file))))
     cases += [("ddp", ("file", crashing)), ("ddp", ("file", broken)),
               ("ddp", ("file", os.path.join(tmp, "empty_ddp.py"))),
-              ("zero1", ("file", os.path.join(tmp, "no_flat_masters.py")))]
+              ("zero1", ("file", os.path.join(tmp, "no_flat_masters.py"))),
+              ("views", ("file", os.path.join(tmp, "from_the_brief_views.py")))]
     reports = grade_cases(cases)
     return {(name, spec[0], spec[1] if spec[0] != "file" else os.path.basename(spec[1])): report
             for (name, spec), report in zip(cases, reports)}
@@ -156,6 +237,45 @@ def test_a_wait_in_place_is_named_by_the_line_that_waited(reports, name, mistake
     assert "none of them" in first.line and "async_op=True" in first.hint
 
 
+def test_a_solution_written_from_lab_7s_brief_alone_passes(reports):
+    """The brief (the stubs' docstrings) says enough: a solution that keeps its own bookkeeping
+    (not the library's `where` and `piece`, its own format for the pieces) passes every check."""
+    report = reports[("views", "file", "from_the_brief_views.py")]
+    assert report.passed, str(report)
+
+
+@pytest.mark.parametrize("mistake, method", [("view_copies", "_cut"), ("cut_off_by_one", "_cut"),
+                                             ("places_in_bucket_order", "place"),
+                                             ("skipped_gets_zero_grad", "point_grads"),
+                                             ("copies_gradients", "point_grads")])
+def test_lab_7_names_the_method_that_cut_placed_or_pointed(reports, mistake, method):
+    first = reports[("views", "mistake", mistake)].first_failure
+    assert f"your {method} (views_mistakes.py, line " in first.line, first.line
+    assert first.section == 'chapter 6, "What the optimizer is handed, and what its state dict holds"'
+
+
+@pytest.mark.parametrize("mistake, method", [("slice_as_whole", "assemble"), ("scalars_from_own_rank", "assemble"),
+                                             ("loads_whole", "shard"), ("loads_from_the_start", "shard")])
+def test_lab_7s_state_dict_failures_point_at_the_method_that_wrote_it(reports, mistake, method):
+    first = reports[("views", "mistake", mistake)].first_failure
+    assert f"{method} (views_mistakes.py, line " in first.hint, first.hint
+    assert "param_views.py" not in first.hint + first.line      # (the library's own methods are not named)
+
+
+def test_an_out_of_order_launch_is_told_to_launch_every_complete_bucket_in_order(reports):
+    """Not "launch self._next, and only it", which reads as one launch per hook."""
+    first = reports[("ddp", "mistake", "launches_when_full_in_any_order")].first_failure
+    assert "every complete bucket from self._next on" in first.hint and "only it" not in first.hint
+
+
+def test_lab_6s_helpers_are_the_labs_own_documented_names():
+    from zerolab.labs import zero3
+    for name in ("storage_alloc", "storage_free", "mark_released"):
+        fn = getattr(zero3, name)
+        assert fn.__module__ == "zerolab.labs.zero3" and fn.__name__ == name
+        assert len(fn.__doc__ or "") > 200, name
+
+
 def test_a_file_that_does_not_import_is_reported_without_starting_ranks(reports):
     first = reports[("ddp", "file", "broken_ddp.py")].first_failure
     assert first.key == "file" and "does not import" in first.line and "SyntaxError" in first.line
@@ -183,14 +303,17 @@ def test_the_labs_tolerances_are_the_parity_tests():
     assert all(checks.weight_tol(s) == tolerances.fp32_adamw_tol(s) for s in (1, 2, 3))
     opt = model.OPTIMIZER.keywords
     assert (opt["lr"], opt["eps"]) == (tolerances.LR, tolerances.EPS)
-    net32 = model.build()
-    net64 = model.build().double()
-    for step, micros in enumerate(model.SCHEDULE):
-        for n in (1, 2):
-            batches = [model.global_micro_batch(step, m, n) for m in range(micros)]
-            g32 = model._grads(net32, batches, micros)
-            g64 = model._grads(net64, [(x.double(), y.double()) for x, y in batches], micros)
-            assert tolerances.adam_roundoff_step(g32, g64) < tolerances.ADAM_ROUNDOFF_STEP
+    from zerolab.labs import views
+    assert (views.LR, views.EPS) == (tolerances.LR, tolerances.EPS)
+    for build in (model.build, views.build_model):      # LabNet, and lab 7's, its side block taken
+        net32 = build()
+        net64 = build().double()
+        for step, micros in enumerate(model.SCHEDULE):
+            for n in (1, 2):
+                batches = [model.global_micro_batch(step, m, n) for m in range(micros)]
+                g32 = model._grads(net32, batches, micros)
+                g64 = model._grads(net64, [(x.double(), y.double()) for x, y in batches], micros)
+                assert tolerances.adam_roundoff_step(g32, g64) < tolerances.ADAM_ROUNDOFF_STEP
 
 
 def test_the_command_line_lists_the_labs(capsys):

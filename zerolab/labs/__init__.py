@@ -1,8 +1,8 @@
 """Labs: write the part of an engine a chapter teaches, and have zerolab grade it on real ranks.
 
 Each lab (labs/*.ipynb in the book) comes with a file of stubs: the methods of one of zerolab's own
-engines that the chapter explains (the seams chapters 4 to 8 print), each raising
-NotImplementedError. You fill them in; the grader plugs your code into the library in place of its
+engines that the chapter explains (the seams chapters 4 to 8 print; lab 7, what chapter 6 says the
+optimizer is handed), each raising NotImplementedError. You fill them in; the grader plugs your code into the library in place of its
 own, runs it on 2 or 3 gloo ranks on a tiny model, and checks, in order:
 
     it runs       no crash and no hang (a hang is named by rank and operation within seconds)
@@ -12,6 +12,8 @@ own, runs it on 2 or 3 gloo ranks on a tiny model, and checks, in order:
     memory        what a rank holds against the chapter's formula
     overlap       compute ran while the collectives were in flight (zerolab.labs.overlap: counted
                   in events, not seconds)
+    (lab 7)       the optimizer's views and their gradients against a closed form of the layout,
+                  its state and state_dict() against a plain AdamW's, a plain checkpoint loaded
 
 and explains the FIRST failure in the chapter's words: the rank, the bucket or unit, the step,
 what was expected and what was seen, the method and line of the graded file it comes from, and the

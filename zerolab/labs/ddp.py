@@ -74,7 +74,7 @@ class DDPLab(DDP):
             raise Stop(PROTOCOL, "reduced_in_no_sync",
                        f"bucket {b} was launched{waited_where(self)} during a backward inside no_sync(), "
                        "which must only "
-                       "accumulate gradients (step 1's first micro-batch).",
+                       "accumulate gradients (step 1's first micro-batch: steps are numbered from 0).",
                        "in _on_grad_ready, return right after _take when self._reducing_now is False.")
         if b < len(self._handles):
             raise Stop(PROTOCOL, "reduced_twice",
@@ -87,7 +87,10 @@ class DDPLab(DDP):
                        f"bucket {b} was launched{waited_where(self)} when bucket {len(self._handles)} was "
                        "next: every rank "
                        "must launch the buckets in the same order (index order), or their all-reduces "
-                       "pair up wrongly and the ranks deadlock.", "launch bucket self._next, and only it.")
+                       "pair up wrongly and the ranks deadlock.",
+                       "launch the buckets in index order: once a gradient completes a bucket, launch every "
+                       "complete bucket from self._next on, one after the other, and stop at the first that still "
+                       "waits for a gradient (a bucket that fills early waits for the ones before it).")
         missing = [p for p in bucket.params if id(p) not in self._arrived]
         if missing and not self._finishing:
             raise Stop(PROTOCOL, "launched_early",

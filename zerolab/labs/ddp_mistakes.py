@@ -45,6 +45,17 @@ class LaunchesOnFirstGradient(ReferenceDDP):
             self._launch(self._next)
 
 
+class LaunchesWhenFullInAnyOrder(ReferenceDDP):
+    def _on_grad_ready(self, p):
+        b, i, k = self._slot[id(p)]
+        self._take(p, b, i, k)
+        if not self._reducing_now:
+            return
+        self._missing[b] -= 1
+        if self._missing[b] == 0:       # (the bucket that filled, whether or not the ones before it have)
+            self._launch(b)
+
+
 class ForgetsToWait(ReferenceDDP):
     def _finish_backward(self):
         while self._next < len(self.buckets.buckets):
@@ -126,6 +137,8 @@ MISTAKES = (
        AddsToOldSlot, "not_reset"),
     _m("launches_on_first_gradient", "launched a bucket when its first gradient arrived",
        LaunchesOnFirstGradient, "launched_early"),
+    _m("launches_when_full_in_any_order", "launched each bucket the moment it filled, ahead of an earlier "
+       "bucket still waiting for a gradient", LaunchesWhenFullInAnyOrder, "out_of_order"),
     _m("forgets_to_wait", "launched the last buckets but did not wait for them", ForgetsToWait, "not_waited"),
     _m("launches_after_backward", "launched every bucket at the end of backward", LaunchesAfterBackward,
        "no_overlap"),

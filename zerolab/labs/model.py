@@ -66,6 +66,23 @@ class LabNetWithSpare(LabNet):
         self.spare = nn.Linear(D_IN, 1)
 
 
+class LabNetWithBranch(LabNet):
+    """LabNet with a side block its forward takes only while `branch` is True (the training loop
+    sets it): on the steps it is not taken no rank's backward reaches `side`'s parameters, so a
+    plain optimizer skips them, step count included (lab 7)."""
+
+    def __init__(self):
+        super().__init__()
+        self.side = nn.Linear(WIDTH, WIDTH)
+        self.branch = True
+
+    def forward(self, x):
+        h = self.blocks(torch.tanh(self.inp(x)))
+        if self.branch:
+            h = h + torch.tanh(self.side(h))
+        return self.out(h)
+
+
 def build() -> LabNet:
     """The same initial weights on every rank and in the reference."""
     torch.manual_seed(0)

@@ -42,16 +42,36 @@ ENGINE_SEAMS = ("_prefetch_after",)
 LIFECYCLE = "a unit is used only once gathered, and freed only once its gather is done"
 PREFETCH_SECTION = 'chapter 8, "Prefetch: hide the gathers behind compute"'
 
-# the helpers a unit's lifecycle needs, under the names the stubs use
-storage_alloc = _storage_alloc      # give a released buffer its memory back (before gathering into it)
-mark_released = _mark_released      # mark_released(params, True): reading them raises a clear error
-
 _RUN = {"in_flight": {}, "graded": None}   # the run in progress: data pointer -> its all-gather's Entry
 
 
+# ------------------------------------------------------------------ the helpers a unit's lifecycle uses
+
+
+def storage_alloc(t: torch.Tensor) -> None:
+    """Give the tensor `t`, whose memory storage_free took, its memory back, in place: t and every
+    view of it (the unit's parameters) can be read again, but the values are garbage until
+    something writes them (gather into it). Nothing happens if t has its memory. Example:
+    storage_alloc(self.full["train"])."""
+    _storage_alloc(t)
+
+
+def mark_released(params, released: bool) -> None:
+    """Mark the parameters `params` (a list of nn.Parameter) released (released=True) or readable
+    again (released=False). A released parameter keeps its shape, dtype, device, .grad and hooks,
+    but any operation that reads its values (print(p), p + 1, a forward outside the engine) raises
+    an error that says where the values are, instead of reading memory that storage_free gave
+    back. Marking twice is harmless. Example: mark_released(self.params, True)."""
+    _mark_released(params, released)
+
+
 def storage_free(t: torch.Tensor) -> None:
-    """Free a buffer's memory; the tensor keeps its shape. (The grader's version of the library's
-    helper: it refuses to free a buffer an all-gather is still writing into.)"""
+    """Free the tensor `t`'s memory, in place: t keeps its shape, and so does every view of it (the
+    unit's parameters), but it holds 0 bytes until storage_alloc gives them back; reading it then
+    would fail with a bare out-of-bounds error, or read freed memory, so mark the parameters
+    released first. Freeing a tensor whose memory is already freed does nothing. (The grader's
+    version of the library's helper also refuses to free a buffer an all-gather is still writing
+    into: gloo would go on writing into memory given back.) Example: storage_free(self.full["train"])."""
     entry = _RUN["in_flight"].get(t.untyped_storage().data_ptr()) if t.untyped_storage().nbytes() else None
     if entry is not None and entry.waited is None:
         raise Stop(LIFECYCLE, "released_in_flight",
@@ -76,7 +96,8 @@ class UnitLab(Unit):
     self.buckets["train"]         the layout: .padded_numel (a multiple of N), .world_size
     self.handles                  a dict you may use: kind -> handle of an all-gather in flight
     self.gathered                 True between a finished gather and the next release
-    self.grad_full                the unit's full gradient, filled during backward (None if none arrived)
+    self.grad_full                the unit's full gradient, flat and padded, filled during backward
+                                  (None if none arrived); the full buffer's dtype and device
     self.grad_shard               this rank's reduced gradient shard, kept until zero_grad
     self._rs                      yours: (handle, output) of the reduce-scatter in flight
     self.comm                     the ledger (zerolab.comm.Ledger): all_gather(out, in,
@@ -121,7 +142,8 @@ class ZeRO3Lab(ZeRO3):
                        f"unit {entry.owner}'s all-gather was issued {where(self.graded._graded_code)} into a "
                        "buffer whose memory is freed (0 bytes): there is nowhere for the gathered values to go.",
                        "give the full buffer its memory back (storage_alloc) before gathering into it.")
-        self.trace.append(("gather", entry.owner, "backward" if self._in_backward else "forward"))
+        if self.graded.clock.phase is not None:     # (not the gathers that read the weights between steps)
+            self.trace.append(("gather", entry.owner, "backward" if self._in_backward else "forward"))
         if out is not None:
             _RUN["in_flight"][out.untyped_storage().data_ptr()] = entry
 
@@ -215,6 +237,7 @@ def measure(plugin) -> dict:
     data["units"] = [piece(u, whole=True) for u in units]
     data["probe"] = _probe_backward_prefetch(engine)
     data["prefetch_at"] = defined_at(type(engine)._prefetch_after)
+    data["prefetch"] = engine.prefetch
     return data
 
 
@@ -290,13 +313,15 @@ def memory(ranks) -> str:
 def prefetch(ranks) -> str:
     def check(step, d, s):
         for phase in ("forward", "backward"):
-            _check_prefetch([(kind, name) for kind, name, ph in s["trace"] if ph == phase], phase, step, d["rank"])
+            _check_prefetch([(kind, name) for kind, name, ph in s["trace"] if ph == phase], phase, step, d["rank"],
+                            d["prefetch"], d["prefetch_at"])
 
     per_step(ranks, check)
     for d in ranks:
         _check_probe(d["probe"], d["rank"], d["prefetch_at"])
-    return ("in forward and in backward, the next unit's all-gather was issued before the unit before it "
-            "started computing; and in backward a unit whose backward was done was not gathered again")
+    return (f"in forward and in backward, the next unit's all-gather was issued before the unit before it "
+            f"started computing, and never more than prefetch = {ranks[0]['prefetch']} unit ahead; and in backward "
+            "a unit whose backward was done was not gathered again")
 
 
 def _check_probe(gathered: list, rank: int, at: str) -> None:
@@ -354,19 +379,38 @@ def overlap(ranks) -> str:
             least[op] += [events for _, events in overlapped(entries, (op,))]
 
     per_step(ranks, check)
-    return (f"every all-gather issued ahead was in flight while at least "
-            f"{_count(min(least['all_gather']), 'module forward or autograd operation')} started, and every "
-            f"reduce-scatter with backward left to run while at least "
-            f"{_count(min(least['reduce_scatter']), 'autograd operation')} did (graded by the order of events, "
-            "not by time)")
+    gathers = (f"every all-gather issued ahead was in flight while at least "
+               f"{_count(min(least['all_gather']), 'module forward or autograd operation')} started"
+               if least["all_gather"] else "no all-gather was issued ahead (the prefetch check says why)")
+    reduces = (f"every reduce-scatter with backward left to run while at least "
+               f"{_count(min(least['reduce_scatter']), 'autograd operation')} did" if least["reduce_scatter"] else
+               "no reduce-scatter had backward left to run")
+    return f"{gathers}, and {reduces} (graded by the order of events, not by time)"
 
 
-def _check_prefetch(events, phase, step, rank):
-    """events: [("gather" | "use", unit)] of one phase, in order (the last micro-batch's phase wins
-    for a unit used twice). Each unit's gather must come before the previous unit's use."""
+def _check_prefetch(events, phase, step, rank, prefetch, at):
+    """events: [("gather" | "use", unit)] of one phase, in order (a step of two micro-batches has
+    each phase twice). Each unit's gather must come before the previous unit's use, and when a
+    unit starts computing at most `prefetch` units may be gathered ahead of it (gathered, not yet
+    used)."""
     uses = [i for i, (kind, _) in enumerate(events) if kind == "use"]
-    for a, b in zip(uses, uses[1:]):
-        current, following = events[a][1], events[b][1]
+    for a, b in zip(uses, uses[1:] + [None]):
+        current = events[a][1]
+        ahead = []              # gathered, and not used since: what is in memory ahead of `current`
+        for kind, name in events[:a + 1]:
+            ahead = ahead + [name] if kind == "gather" else [v for v in ahead if v != name]
+        if len(ahead) > prefetch:
+            raise Wrong("prefetch_too_far", f"step {step}, rank {rank}, {phase}: when {current} started computing, "
+                        f"{len(ahead)} units had been gathered ahead of it ({', '.join(ahead)}), by your "
+                        f"_prefetch_after{at}; with prefetch = {prefetch} the engine gathers {prefetch} ahead. Each "
+                        "unit gathered beyond that holds its full parameters from the moment its gather is "
+                        "issued: the memory prefetch was set to bound (and in backward a unit may be needed in "
+                        "another order than the one guessed).",
+                        "gather at most `self.prefetch` of the units after u (after skipping, in backward, those "
+                        "whose backward is done).")
+        if b is None:
+            break
+        following = events[b][1]
         start = max([i for i in uses if i < a], default=-1)
         gathered = [name for kind, name in events[:a] if kind == "gather"]
         if following in gathered:

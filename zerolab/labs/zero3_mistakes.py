@@ -18,6 +18,16 @@ class PrefetchesTwoAhead(ReferenceZeRO3):
             v.gather(phase)
 
 
+class PrefetchesTooMany(ReferenceZeRO3):
+    def _prefetch_after(self, order, u, phase):
+        if self.prefetch == 0 or u not in order:
+            return
+        i = order.index(u)
+        ahead = [v for v in order[i + 1:] if not (phase == "backward" and v.reduced)]
+        for v in ahead[:self.prefetch + 1]:     # (the next unit and the one after it)
+            v.gather(phase)
+
+
 class PrefetchesItself(ReferenceZeRO3):
     def _prefetch_after(self, order, u, phase):
         u.gather(phase)                 # (u is already being gathered: nothing travels ahead)
@@ -185,6 +195,8 @@ def _engine(name, story, cls, expect):
 MISTAKES = (
     _engine("prefetches_two_ahead", "prefetched the unit after the next one", PrefetchesTwoAhead,
             "prefetch_wrong_unit"),
+    _engine("prefetches_too_many", "gathered two units ahead where prefetch is 1", PrefetchesTooMany,
+            "prefetch_too_far"),
     _engine("prefetches_itself", "prefetched the unit that was about to run anyway", PrefetchesItself,
             "no_prefetch"),
     _unit("no_divide", "reduce-scattered the gradient without dividing by N", NoDivide, "not_divided"),

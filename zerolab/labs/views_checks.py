@@ -1,0 +1,366 @@
+"""Lab 7's checks (zerolab.labs.views): the views against the closed form of the layout, each
+view's gradient, the optimizer's state parameter by parameter, optimizer.state_dict() against a
+plain AdamW's, and a plain checkpoint loaded and continued.
+
+The first two run on every rank during the run (a wrong view or gradient would make what follows
+depend on it, or crash inside AdamW) and return the problem they find as (check, key, what, hint),
+for zerolab.labs.views.agree to stop every rank with; loaded_problem too, for the checkpoint. The
+others read every rank's measurements in the parent. Tolerances: moments and weights follow
+zerolab.labs.checks (round-off of other summation orders); a state loaded from a checkpoint is
+compared exactly (it is the checkpoint's own numbers, cut).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import GRAD_REL, check_weights
+from .lab import Wrong
+from .overlap import defined_at
+from .views import BRANCH, CHECKPOINT_AFTER, GRADS, STATE_DICTS_AT, VIEWS
+
+
+def _range(lo, hi) -> str:
+    return f"[{lo}, {hi})"
+
+
+def _holds(entry, k) -> str:
+    """'elements [9, 70) of it (61 of 81)', 'all of it', 'none of it'."""
+    _, lo, hi, plo, phi, _ = entry
+    if lo == hi:
+        return "none of it"
+    return "all of it" if phi - plo == k else f"its elements {_range(plo, phi)} ({phi - plo} of {k})"
+
+
+# ------------------------------------------------------------------ during the run, on every rank
+
+
+def check_cut(engine, names):
+    """The views the graded _cut made, against the layout's closed form (engine.expected)."""
+    views = engine.views
+    at = defined_at(type(views)._cut)
+    r = engine.rank
+    for b, bucket in enumerate(engine.buckets.buckets):
+        master, s = engine.flat_masters[b], engine.shards[b]
+        for p, o, k in zip(bucket.params, bucket.offsets, bucket.sizes):
+            name = names[id(p)]
+            e = engine.expected[name]
+            _, lo, hi, plo, phi, shape = e
+            where = (f"{name} lies at {_range(o, o + k)} of bucket {b}, and rank {r}'s slice of the bucket is "
+                     f"{_range(s.start, s.stop)}: rank {r} holds {_holds(e, k)}")
+            v = views.view_of.get(id(p))
+            if not torch.is_tensor(v):
+                return (VIEWS, "no_view", f"after your _cut{at}, self.view_of has no tensor for {name} on rank {r} "
+                        f"({where}).", "every parameter of the bucket gets a view: an empty tensor when none of it "
+                        "is on this rank.")
+            if lo == hi or v.numel() == 0:
+                if v.numel() != hi - lo:
+                    seen = f"holds {v.numel()} elements" if v.numel() else "is empty"
+                    return (VIEWS, "view_range", f"rank {r}'s view of {name}, as your _cut{at} cut it, {seen}: "
+                            f"{where}.", "a view covers exactly the elements of its parameter inside the slice: "
+                            "where the parameter's range and the slice's overlap.")
+                continue
+            if v.untyped_storage().data_ptr() != master.untyped_storage().data_ptr():
+                return (VIEWS, "view_copy", f"rank {r}'s view of {name}, as your _cut{at} made it, is not in the "
+                        f"memory of master {b}: it is a copy. The optimizer would update the copy, and the model's "
+                        "weights, which the all-gather sends to every rank, would never change.",
+                        "index the flat master you are given (and .view() it into a shape): slicing and .view() "
+                        "share memory; .clone(), .reshape() of a non-contiguous tensor and torch.tensor() do not.")
+            start = v.storage_offset() - master.storage_offset() + s.start - o   # in the parameter
+            if (start, start + v.numel()) != (plo, phi):
+                return (VIEWS, "view_range", f"rank {r}'s view of {name}, as your _cut{at} cut it, covers elements "
+                        f"{_range(start, start + v.numel())} of the flattened parameter; {where}.",
+                        "a parameter at [o, o + n) of the bucket and the slice [start, stop) overlap in "
+                        "[max(o, start), min(o + n, stop)), ends excluded as in Python's slices; in the master, "
+                        "whose element 0 is the bucket's element `start`, that range moves down by `start`.")
+            if tuple(v.shape) != shape:
+                why = (f"all of {name} lies in rank {r}'s slice, so its view keeps the parameter's own shape, "
+                       f"{shape}: the optimizer then sees the very tensor a plain one steps (a whole-matrix "
+                       "optimizer the whole matrix, the state dict its state in the parameter's shape)"
+                       if phi - plo == k else
+                       f"the edge of rank {r}'s slice cuts {name}: its view is the flat piece of {phi - plo} "
+                       f"elements, shape {shape}")
+                return (VIEWS, "view_shape", f"rank {r}'s view of {name}, as your _cut{at} made it, has shape "
+                        f"{tuple(v.shape)}; {why}.", "view the piece in the parameter's shape when it is all of "
+                        "the parameter, and leave it flat when it is part of it.")
+    return None
+
+
+def check_placed(engine, names, settings):
+    """The optimizer's groups after the graded place: the script's groups, in order, each
+    parameter's view in its place, the groups' hyperparameters kept (settings: before place)."""
+    views, opt = engine.views, engine.optimizer
+    at = defined_at(type(views).place)
+    r = engine.rank
+    params = dict(engine.module.named_parameters())
+    view_name = {id(views.view_of[id(p)]): n for n, p in params.items() if id(p) in views.view_of}
+    groups = opt.param_groups
+    hint = ("replace each tensor of each group's \"params\" by its parameter's view, in place: same groups, "
+            "same order, nothing else changed.")
+    if len(groups) != len(engine.script_groups):
+        return (VIEWS, "wrong_place", f"after your place{at}, the optimizer has {len(groups)} parameter groups on "
+                f"rank {r}; the script made {len(engine.script_groups)}.", hint)
+    position = 0
+    for g, (group, want, before) in enumerate(zip(groups, engine.script_groups, settings)):
+        changed = [k for k in before if group.get(k) != before[k]]
+        if changed:
+            return (VIEWS, "wrong_place", f"after your place{at}, parameter group {g} on rank {r} has "
+                    f"{changed[0]} = {group.get(changed[0])!r}; the script set {before[changed[0]]!r}.", hint)
+        if len(group["params"]) != len(want):
+            return (VIEWS, "wrong_place", f"after your place{at}, parameter group {g} holds {len(group['params'])} "
+                    f"tensors on rank {r}; the script put {len(want)} parameters in it ({', '.join(want)}).", hint)
+        for j, (t, name) in enumerate(zip(group["params"], want)):
+            if t is views.view_of.get(id(params[name])):
+                position += 1
+                continue
+            what = (f"the view of {view_name[id(t)]}" if id(t) in view_name else
+                    f"the model's own parameter {next(n for n, p in params.items() if p is t)}, not its view"
+                    if any(p is t for p in params.values()) else "a tensor that is no parameter's view")
+            return (VIEWS, "wrong_place", f"after your place{at}, position {j} of parameter group {g} holds {what} "
+                    f"on rank {r}; the script put {name} there. Its view goes there: the group's settings "
+                    f"(weight_decay {before.get('weight_decay')}) then apply to it, and the state dict numbers it "
+                    f"{position}, as a plain AdamW over the same groups does.", hint)
+    return None
+
+
+def check_grads(engine, params, ref, step):
+    """Each view's .grad as the step begins (the graded point_grads ran at the end of backward)."""
+    views = engine.views
+    at = defined_at(type(views).point_grads)
+    r = engine.rank
+    names = {id(p): n for n, p in params.items()}
+    for b, bucket in enumerate(engine.buckets.buckets):
+        flat = engine.flat_masters[b].grad
+        for p in bucket.params:
+            name = names[id(p)]
+            _, lo, hi, plo, phi, shape = engine.expected[name]
+            v = views.view_of[id(p)]
+            g = v.grad
+            head = f"step {step}, rank {r}: the view of {name}"
+            if lo == hi:
+                if g is not None:
+                    return (GRADS, "grad_to_empty", f"{head} is empty (none of {name} is on rank {r}), yet your "
+                            f"point_grads{at} gave it a gradient (an empty tensor): the optimizer then steps it, "
+                            f"keeps a step count for it and counts steps for elements rank {r} does not hold.",
+                            "leave .grad None for an empty view: the optimizer never steps it, and holds no state for it.")
+                continue
+            if ref["grads"][step][name] is None:
+                if g is not None:
+                    seen = "zeros" if not bool(g.any()) else "numbers"
+                    return (GRADS, "grad_to_skipped", f"{head} was given a gradient ({seen}) by your point_grads{at}, "
+                            f"but no rank's backward reached {name} at step {step}: the forward did not take the "
+                            "side block. A plain AdamW skips a parameter whose .grad is None: no step counted, "
+                            "moments and weight left as they are, no weight decay. Given zeros, AdamW counts a "
+                            "step (every later bias correction changes), decays the weight and moves it by its "
+                            "momentum.", "`skip` holds the ids of the parameters no rank reached since the last "
+                            "zero_grad: leave their views' .grad None.")
+                continue
+            if g is None:
+                return (GRADS, "grad_missing", f"{head} ({phi - plo} of its elements are on rank {r}) has no "
+                        f".grad after your point_grads{at}, although the backward reached it: the optimizer "
+                        "would skip it, and its elements would not be updated.",
+                        "give every non-empty view outside `skip` its range of the master's .grad.")
+            if flat is None:
+                continue
+            want = flat[lo:hi]
+            if g.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+                if tuple(g.shape) == tuple(v.shape) and torch.equal(g.reshape(-1), want):
+                    return (GRADS, "grad_copy", f"{head} holds the right numbers in .grad, but your "
+                            f"point_grads{at} gave it a copy, not a view of master {b}'s .grad: the gradient is "
+                            "held twice during the step, and whatever the step does to the flat gradient after "
+                            "backward (clipping scales it in place) never reaches the copy the optimizer reads.",
+                            "index the master's .grad and .view() it in the view's shape: no copy.")
+                return (GRADS, "grad_values", f"{head} has a .grad (from your point_grads{at}) that is not its range "
+                        f"of master {b}'s gradient, {_range(lo, hi)}, nor any view of it.",
+                        "the view's .grad is the same range of the master's .grad as the view is of the master.")
+            off = g.storage_offset() - flat.storage_offset()
+            if (off, off + g.numel()) != (lo, hi):
+                return (GRADS, "grad_range", f"{head} covers elements {_range(lo, hi)} of master {b}, but the .grad "
+                        f"your point_grads{at} gave it is elements {_range(off, off + g.numel())} of the master's "
+                        "gradient: the optimizer would update each weight with another element's gradient.",
+                        "the same range of the master's .grad as the view covers of the master.")
+            if tuple(g.shape) != tuple(v.shape):
+                return (GRADS, "grad_shape", f"{head} has shape {tuple(v.shape)}, and the .grad your "
+                        f"point_grads{at} gave it {tuple(g.shape)}: the optimizer needs the two alike.",
+                        ".view() the gradient's range in the view's shape.")
+    return None
+
+
+def loaded_problem(loaded, expected, ref, rank):
+    """(key, what, hint) for the state a new engine's optimizer holds right after
+    load_state_dict(a plain AdamW's state dict after CHECKPOINT_AFTER), or None."""
+    state = ref["state_dicts"][CHECKPOINT_AFTER]["state"]
+    head = f"rank {rank}, after optimizer.load_state_dict(a plain AdamW's state dict after step {CHECKPOINT_AFTER})"
+    hint = "cut each per-element tensor to the elements the view covers, in the view's shape; keep the scalars."
+    # (hints start in lower case: the report prefixes "in your shard (file, line): ")
+    for k, name in enumerate(ref["names"]):
+        _, lo, hi, plo, phi, shape = expected[name]
+        seen, want = loaded[name], state.get(k, {})
+        if lo == hi or not want:
+            if seen:
+                why = (f"none of {name} is on rank {rank}" if lo == hi else
+                       f"the checkpoint has no state for {name} (never stepped)")
+                return ("loaded_for_empty", f"{head}: its optimizer holds {', '.join(seen)} for {name}, but {why}: "
+                        "the state dict's memory saving is lost (and it claims steps this rank never took).",
+                        "return no entry for a parameter none of whose elements are on this rank.")
+            continue
+        for key, v in want.items():
+            s = seen.get(key)
+            if s is None:
+                return ("loaded_missing", f"{head}: its optimizer holds no {key!r} for {name} ({phi - plo} of its "
+                        f"elements are on rank {rank}); the checkpoint has it.", hint)
+            if not (torch.is_tensor(v) and v.dim() > 0):
+                if float(s) != float(v):
+                    return ("loaded_scalar", f"{head}: {key} of {name} is {float(s):g}; the checkpoint's is "
+                            f"{float(v):g}.", "keep the scalars as they are.")
+                continue
+            if tuple(s.shape) != shape:
+                if tuple(s.shape) == tuple(v.shape):
+                    return ("loaded_whole", f"{head}: its optimizer holds the whole of {name}'s {key}, shape "
+                            f"{tuple(v.shape)}, where its view on rank {rank} is {shape}, {_holds(expected[name], v.numel())}: "
+                            "the next step would fail, or every rank would keep the whole model's state.", hint)
+                return ("loaded_shape", f"{head}: {key} of {name} has shape {tuple(s.shape)}; its view is {shape}.", hint)
+            flat = v.reshape(-1)
+            if not torch.equal(s.reshape(-1).to(v.dtype), flat[plo:phi]):
+                n = phi - plo
+                found = next((j for j in range(flat.numel() - n + 1) if torch.equal(s.reshape(-1), flat[j:j + n])), None)
+                seen_at = (f"elements {_range(found, found + n)} of the checkpoint's" if found is not None
+                           else "numbers that are no range of the checkpoint's")
+                return ("loaded_values", f"{head}: {key} of {name} holds {seen_at} {key}; its view on rank {rank} "
+                        f"covers elements {_range(plo, phi)} of the parameter.",
+                        "cut the range the view covers in the flattened parameter, not from its start.")
+    return None
+
+
+# ------------------------------------------------------------------ in the parent, from every rank's data
+
+
+def parity(ranks) -> str:
+    for step in range(len(BRANCH)):
+        for d in ranks:
+            ref, at = d["ref"], d["at"]
+            for name in ref["names"]:
+                _, lo, hi, plo, phi, shape = d["layout"][name]
+                seen, want = d["steps"][step]["state"][name], ref["state"][step][name]
+                if lo == hi or not want:
+                    if seen:
+                        raise Wrong("state_not_held", f"after step {step}, rank {d['rank']}'s optimizer holds state for "
+                                    f"{name}, which " + ("has no element on this rank" if lo == hi else
+                                    "one process's AdamW has never stepped") + ".", "", step)
+                    continue
+                if not seen:
+                    raise Wrong("no_state", f"after step {step}, rank {d['rank']}'s optimizer holds no state for {name} "
+                                f"({phi - plo} of its elements are here); one process's AdamW has stepped it.",
+                                f"check what your point_grads{at['point_grads']} gives its view.", step)
+                if float(seen["step"]) != float(want["step"]):
+                    raise Wrong("step_count", f"after step {step}, rank {d['rank']}: the step count of {name} is "
+                                f"{float(seen['step']):g}; one process's AdamW has {float(want['step']):g}.",
+                                "a parameter without a gradient is skipped, step count included.", step)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    w, s = want[key].reshape(-1)[plo:phi], seen[key].reshape(-1).float()
+                    tol = GRAD_REL * float(w.abs().max()) + 1e-12
+                    if s.shape != w.shape or not bool(((s - w).abs() <= tol).all()):
+                        raise Wrong("moments", f"after step {step}, rank {d['rank']}: {key} of {name} (its elements "
+                                    f"{_range(plo, phi)}) is not one process's.", "", step)
+            for piece, w in zip(d["buckets"], d["steps"][step]["weights"]):
+                size = piece.padded // d["n"]
+                check_weights(w, piece, ref["weights"][step], ref["before"][step], d["rank"], step,
+                              owners=lambda i, size=size: i // size)
+    return (f"after every step, every rank's optimizer holds one process's step count and moments for each "
+            f"element it updates (the side block's counts {int(ranks[0]['ref']['state'][-1]['side.weight']['step'])}, "
+            f"the others' {len(BRANCH)}), and the weights are one process's")
+
+
+def _wrong_state(d, step, key, what, hint):
+    at = d["at"]
+    return Wrong(key, f"rank {d['rank']}'s optimizer.state_dict() after step {step}: {what}",
+                 f"in your pieces{at['pieces']} and assemble{at['assemble']}: {hint}.", step)
+
+
+def state_dict(ranks) -> str:
+    for step in STATE_DICTS_AT:
+        for d in ranks:
+            _compare_state_dict(d, step, d["steps"][step]["state_dict"], d["ref"]["state_dicts"][step])
+    return (f"after steps {' and '.join(map(str, STATE_DICTS_AT))}, every rank's optimizer.state_dict() is a plain "
+            "AdamW's: the same groups, an entry for each parameter stepped, each state whole and in its "
+            "parameter's shape, the step counts of each parameter")
+
+
+def _compare_state_dict(d, step, seen, want) -> None:
+    names, layout = d["ref"]["names"], d["layout"]
+    if seen["param_groups"] != want["param_groups"]:
+        raise _wrong_state(d, step, "state_groups", f"its param_groups are {seen['param_groups']!r}; a plain AdamW's "
+                           f"are {want['param_groups']!r}.", "the groups are torch's own: do not change them")
+    for k, st in want["state"].items():
+        name, got = names[k], seen["state"].get(k, {})
+        piece = layout[name][4] - layout[name][3]
+        for key, v in st.items():
+            s = got.get(key)
+            if torch.is_tensor(v) and v.dim() > 0 and torch.is_tensor(s) and tuple(s.shape) != tuple(v.shape):
+                if s.numel() == piece != v.numel():
+                    raise _wrong_state(d, step, "state_slice", f"{key} of {name} (position {k}) has shape "
+                                       f"{tuple(s.shape)}: the piece of it rank {d['rank']} holds, presented as the "
+                                       f"whole. A plain AdamW's state dict holds it whole, {tuple(v.shape)}.",
+                                       "put each parameter's pieces, from every rank, together")
+                raise _wrong_state(d, step, "state_shape", f"{key} of {name} (position {k}) has shape {tuple(s.shape)}; "
+                                   f"a plain AdamW's is the parameter's, {tuple(v.shape)}.",
+                                   "give each whole tensor its parameter's shape")
+    missing = [k for k in want["state"] if k not in seen["state"]]
+    extra = [k for k in seen["state"] if k not in want["state"]]
+    if missing:
+        raise _wrong_state(d, step, "state_missing", f"there is no entry for position {missing[0]} "
+                           f"({names[missing[0]]}); a plain AdamW has one for every parameter it has stepped.",
+                           "an entry for every parameter some rank has stepped, whichever ranks hold it")
+    if extra:
+        raise _wrong_state(d, step, "state_extra", f"there is an entry for position {extra[0]} ({names[extra[0]]}), "
+                           "which no rank has stepped yet (the side block was not taken): a plain AdamW holds none.",
+                           "no entry for a parameter no rank has state for")
+    for k, st in want["state"].items():
+        name, got = names[k], seen["state"][k]
+        for key, v in st.items():
+            s = got.get(key)
+            if not (torch.is_tensor(v) and v.dim() > 0):
+                if s is None:
+                    raise _wrong_state(d, step, "state_scalar", f"{name} (position {k}) has no {key!r}; a plain "
+                                       f"AdamW's is {float(v):g}.", "every piece of a parameter carries its scalars: "
+                                       "take them from a piece some rank sent")
+                if float(s) != float(v):
+                    raise _wrong_state(d, step, "state_scalar", f"{key} of {name} (position {k}) is {float(s):g}; a "
+                                       f"plain AdamW's is {float(v):g}.", "the scalars of a parameter are the same in "
+                                       "each of its pieces: take one, as it is")
+                continue
+            if s is None:
+                raise _wrong_state(d, step, "state_keys", f"{name} (position {k}) has no {key!r}.",
+                                   "keep every entry of the optimizer's state")
+            tol = GRAD_REL * float(v.abs().max()) + 1e-12
+            bad = ((s.float() - v).abs() > tol).reshape(-1).nonzero()
+            if bad.numel():
+                i = int(bad[0])
+                raise _wrong_state(d, step, "state_values", f"{key} of {name} (position {k}), element {i} of the "
+                                   f"flattened parameter, is {float(s.reshape(-1)[i]):.3g}; a plain AdamW's is "
+                                   f"{float(v.reshape(-1)[i]):.3g}.", "each piece goes where it lies in the "
+                                   "flattened parameter")
+
+
+def checkpoint(ranks) -> str:
+    for d in ranks:
+        problem = d["resumed"]["problem"]
+        if problem is not None:
+            key, what, hint = problem
+            raise Wrong(key, what, f"in your shard{d['at']['shard']}: {hint}", CHECKPOINT_AFTER + 1)
+    for d in ranks:
+        ref = d["ref"]
+        for step, weights in d["resumed"]["weights"].items():
+            for piece, w in zip(d["buckets"], weights):
+                size = piece.padded // d["n"]
+                try:
+                    check_weights(w, piece, ref["weights"][step], ref["before"][step], d["rank"], step,
+                                  owners=lambda i, size=size: i // size)
+                except Wrong as exc:
+                    raise Wrong("resumed_weights", f"resumed from a plain AdamW's checkpoint after step "
+                                f"{CHECKPOINT_AFTER}: {exc.what}", f"the state was loaded as it should: compare "
+                                f"what your shard{d['at']['shard']} keeps of each entry with the checkpoint's.",
+                                step) from None
+    return (f"a plain AdamW's state dict after step {CHECKPOINT_AFTER} loaded into a new engine gives each rank "
+            f"the pieces its views cover, and steps {', '.join(str(s) for s in range(CHECKPOINT_AFTER + 1, len(BRANCH)))} "
+            "from there end where one process does")
