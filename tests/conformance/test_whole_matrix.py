@@ -157,6 +157,13 @@ def run_sharded(optimizer, kind):
     return out
 
 
+def offloaded():
+    """ZeRO-Offload steps on host copies: a whole-matrix optimizer there is refused when built."""
+    net = model()
+    opt = build("muon + adamw", net.named_parameters())
+    zl.ZeRO(net, opt, stage=2, offload="optimizer")
+
+
 OPTIMIZERS = ("muon + adamw", "adafactor")
 ORDERS = ("given first", "FSDP2's order")
 
@@ -169,6 +176,7 @@ def every_case():
                 out[(name, optimizer, order)] = _safely(run_engine, name, optimizer, order)
         for kind in ("sharded", "torch's"):
             out[("ShardedOptimizer", optimizer, kind)] = _safely(run_sharded, optimizer, kind)
+    out["offload"] = _safely(offloaded)
     return out
 
 
@@ -240,3 +248,9 @@ def test_sharded_optimizer_steps_whole_matrices_as_zero_redundancy_optimizer(see
             assert worst(got["weights"], want) <= TOL, (kind, n, rank, worst(got["weights"], want))
         mine = r[("ShardedOptimizer", optimizer, "sharded")]
         assert mine["sent"] == mine["predicted"] > 0, (n, rank, mine["sent"], mine["predicted"])
+
+
+def test_offload_refuses_a_whole_matrix_optimizer_by_name(seen):
+    n, results = seen
+    for r in results:
+        assert isinstance(r["offload"], str) and r["offload"].startswith("TypeError: offload='optimizer'"), r["offload"]
