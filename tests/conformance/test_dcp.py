@@ -32,6 +32,7 @@ from cases import STEPS, TOL, engine_for, model, pytorch_loop, weights, worst
 pytestmark = pytest.mark.slow     # launches ranks (make test-fast leaves it out)
 
 ADAMW = dict(lr=1e-2)
+FRESH = dict(lr=1e-3)             # what a loading script builds: the checkpoint's groups restore lr=1e-2
 NEXT = range(STEPS, STEPS + 1)    # the step after the checkpoint
 ENGINES = ("zero1", "zero3", "ddp")
 
@@ -42,13 +43,13 @@ def full(net) -> dict:
             for k, v in net.state_dict().items()}
 
 
-def fsdp2_model():
+def fsdp2_model(hyper=ADAMW):
     net = model()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for name in ("embed", "branch", "out"):
         fully_shard(getattr(net, name), mesh=mesh)
     fully_shard(net, mesh=mesh)
-    return net, torch.optim.AdamW(net.parameters(), **ADAMW)
+    return net, torch.optim.AdamW(net.parameters(), **hyper)
 
 
 def fsdp2_saves(root):
@@ -65,7 +66,7 @@ def fsdp2_saves(root):
 
 def zerolab_loads(directory, name):
     net = model()
-    opt = torch.optim.AdamW(net.parameters(), **ADAMW)
+    opt = torch.optim.AdamW(net.parameters(), **FRESH)
     engine = engine_for(name, net, opt)
     zl.checkpoint.load(engine, directory)
     loaded = weights(engine)
@@ -85,7 +86,7 @@ def zerolab_saves(root, name):
 
 
 def fsdp2_loads(directory):
-    net, opt = fsdp2_model()
+    net, opt = fsdp2_model(FRESH)
     model_sd, optim_sd = get_state_dict(net, opt)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=directory)
