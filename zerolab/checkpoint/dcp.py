@@ -43,8 +43,10 @@ does, and checks every file's digest; it stays the format for zerolab to zerolab
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import warnings
 
 import torch
 
@@ -105,6 +107,14 @@ def _by_name(state_dict: dict, names: list) -> dict:
 # ------------------------------------------------------------------ writing
 
 
+@contextlib.contextmanager
+def _alone():
+    """DCP on this rank alone (no_dist=True) warns that it assumes one process: that is the point."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def save(engine, path, extra: dict | None = None, format: str = "dcp") -> str:
     """Write `engine` as a torch.distributed.checkpoint directory (module docstring); returns the
     path of its metadata. Every rank of the engine calls it."""
@@ -124,7 +134,8 @@ def save(engine, path, extra: dict | None = None, format: str = "dcp") -> str:
     rank = torch.distributed.get_rank() if replicas else getattr(engine, "rank", 0)
     if rank == 0:                                      # (SingleProcess under launch: rank 0 speaks for all)
         os.makedirs(path, exist_ok=True)
-        dist_cp.save(state, storage_writer=dist_cp.FileSystemWriter(os.fspath(path)), no_dist=True)
+        with _alone():
+            dist_cp.save(state, storage_writer=dist_cp.FileSystemWriter(os.fspath(path)), no_dist=True)
     if getattr(engine, "world_size", 1) > 1:
         engine.comm.barrier()                          # (nobody returns before the files exist)
     return os.path.join(os.fspath(path), DCP_METADATA)
@@ -148,7 +159,8 @@ def _read_all(path) -> dict:
     entries = reader.read_metadata().state_dict_metadata
     flat = {k: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata)
             else None for k, md in entries.items()}
-    dist_cp.load(flat, storage_reader=reader, planner=WeightsOnly(flatten_state_dict=False), no_dist=True)
+    with _alone():
+        dist_cp.load(flat, storage_reader=reader, planner=WeightsOnly(flatten_state_dict=False), no_dist=True)
     return flat
 
 
