@@ -44,6 +44,7 @@ _LAZY = {
     "ZeRO2": ("zerolab.engines.zero2", "ZeRO2"),
     "ZeRO3": ("zerolab.engines.zero3", "ZeRO3"),
     "ShardedOptimizer": ("zerolab.sharded_optimizer", "ShardedOptimizer"),   # ZeRO-1's optimizer half
+    "CombinedOptimizer": ("zerolab.combined_optimizer", "CombinedOptimizer"),   # Muon + AdamW as one
 }
 
 

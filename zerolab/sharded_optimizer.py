@@ -27,9 +27,11 @@ this optimizer and the inner one (a scheduler's lr in, a key the inner class add
 How it differs from torch's ZeroRedundancyOptimizer, which gives each rank WHOLE parameters
 (greedily, by size): that works with any optimizer, but the shares are uneven (one large
 embedding can outweigh a rank's whole share); cutting flat buffers gives every rank exactly
-1/N, but a parameter cut at a slice's edge reaches the optimizer in two flattened pieces, so
-the optimizer must update each element from its own state (SGD, Adam, AdamW...; Adafactor and
-Muon, which look at whole matrices, are refused).
+1/N, but a parameter cut at a slice's edge reaches the optimizer in two flattened pieces. An
+elementwise optimizer (SGD, Adam, AdamW...) steps the pieces as they are; a whole-matrix one
+(Muon, Adafactor) gets each cut parameter whole on one rank, its owner, which gathers the pieces
+before the step and sends them back after it (zerolab.engines.whole_matrix). Muon beside AdamW
+is two ShardedOptimizers, one on the matrices and one on the rest, as in a plain script.
 
 state_dict() speaks the plain optimizer's format (one entry per parameter, in the order of
 param_groups, with every hyperparameter of the inner class), so a checkpoint from here loads
@@ -45,27 +47,26 @@ import torch.distributed as dist
 from .buckets import Bucket
 from .comm import Ledger
 from .engines.param_views import ParamViews, gather_bytes
-from .engines.setup import WHOLE_TENSOR_OPTIMIZERS
+from .engines import whole_matrix
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
     """optimizer_class on this rank's 1/N of every parameter group (see the module docstring).
 
     params, **defaults: as torch.optim's (parameter groups included); optimizer_class: an
-    elementwise torch optimizer class; process_group: the ranks that share the state (default:
+    torch optimizer class (Muon and Adafactor too); process_group: the ranks that share the state (default:
     the world). Outside torch.distributed it is the plain optimizer with one rank."""
 
     def __init__(self, params, optimizer_class, *, process_group=None, **defaults):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class must be a torch.optim.Optimizer class such as "
                             f"torch.optim.AdamW, got {optimizer_class!r}")
-        if issubclass(optimizer_class, WHOLE_TENSOR_OPTIMIZERS + (torch.optim.LBFGS,)):
-            raise TypeError(f"{optimizer_class.__name__} does not update each element from its own "
-                            "state (or needs a closure), so it cannot run on a slice of a flat buffer. "
-                            "Use an elementwise optimizer (SGD, Adam, AdamW, ...).")
+        if issubclass(optimizer_class, torch.optim.LBFGS):
+            raise TypeError(f"{optimizer_class.__name__} needs a closure that re-evaluates the loss at "
+                            "every step. Use a first-order optimizer (SGD, Adam, AdamW, Muon, ...).")
         # the inner class checks its own keywords (a misspelt one is a TypeError naming it), on a
         # stand-in, before any parameter moves into a flat buffer
-        optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)
+        optimizer_class([torch.zeros(1, 1, requires_grad=True)], **defaults)   # (2-D: Muon takes matrices only)
         self.optimizer_class = optimizer_class
         self.comm = Ledger(group=process_group)
         self.group = process_group
@@ -106,6 +107,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         groups were added after it was built, carried over through its state dict)."""
         self.views = ParamViews(self.masters, self.buckets, [b.shard(self.rank) for b in self.buckets])
         self.views.order = [p for g in self.param_groups for p in g["params"]]
+        whole = whole_matrix.needs_whole(self.optimizer_class)
+        self.views.whole = whole_matrix.attach(self.views, {id(p) for p in self.views.params} if whole else set())
         groups = [{**self._hyper(i), "params": [self.views.view_of[id(p)] for p in g["params"]]}
                   for i, g in enumerate(self.param_groups)]
         before = self.optim.state_dict() if self.optim is not None else None
@@ -136,7 +139,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             master.grad = self._owned_grad(bucket)
             without |= {id(p) for p in bucket.params if p.grad is None}
         self.views.point_grads(without)     # a parameter with no gradient is skipped
+        if self.views.whole is not None:    # whole-matrix optimizers: cut parameters to their owners
+            self.views.whole.gather(self.comm, self.group, without)
         self.optim.step(**kwargs)
+        if self.views.whole is not None:    # ... and their new values back
+            self.views.whole.give_back(self.comm, self.group)
         self.views.drop_grads()
         for bucket, master in zip(self.buckets, self.masters):
             master.grad = None

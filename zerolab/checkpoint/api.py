@@ -11,6 +11,7 @@ import zlib
 
 import torch
 
+from . import dcp
 from . import writer as checkpoint_writer
 from .atomic import signals_held, stopping_cleanly
 from .reader import METADATA, CheckpointError, Reader, _check_path  # noqa: F401 (CheckpointError: zl.checkpoint.CheckpointError)
@@ -110,12 +111,16 @@ def _check_no_model_parallelism(engine, action):
                               "engine.full_state_dict() per mp rank yourself, or train with mp=1.")
 
 
-def save(engine, path, extra: dict | None = None) -> str:
+def save(engine, path, extra: dict | None = None, *, format: str = "zerolab") -> str:
     """Every rank writes its own shard of `engine` into directory `path`; returns the metadata path.
 
     `extra` (ints, floats, strings, lists, dicts, tensors) is stored per rank and returned by
     load(): put the data position there. Every rank of the engine must call save.
+    format="dcp": a torch.distributed.checkpoint directory, which FSDP2 loads (checkpoint.dcp).
     """
+    if format != "zerolab":
+        return dcp.save(engine, path, extra, format=format)
+    dcp.check_own_format(engine, "save")
     path = check_save_dir(path)
     kind = _kind(engine)
     _check_no_model_parallelism(engine, "save")
@@ -163,7 +168,12 @@ def load(engine, path) -> dict:
     Every rank of the engine must call load, with the same checkpoint: the ranks compare its step
     and digest first, and refuse together (naming each rank's directory and step) if they differ;
     a checkpoint that any rank refuses changes no rank.
+    A torch.distributed.checkpoint directory (FSDP2's, torchtitan's, or save(format="dcp")) is
+    read by checkpoint.dcp.
     """
+    if dcp.is_dcp(path):
+        return dcp.load(engine, path)
+    dcp.check_own_format(engine, "load")
     path = _check_path(path)
     kind = _kind(engine)
     _check_no_model_parallelism(engine, "load")

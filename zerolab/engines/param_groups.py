@@ -73,7 +73,8 @@ def build(optimizer, model, precision: str, flat_engine: str | None = None):
             f"{len(missing)} trainable parameter(s) are in none of the optimizer's parameter groups "
             f"(first: {missing[0]!r}). One process would never update them; the engines update flat "
             "buffers. Add them to a group, or freeze them with p.requires_grad_(False) before "
-            "building the engine.")
+            "building the engine. Two optimizers (Muon on the matrices, AdamW on the rest) are one "
+            "to an engine: zl.CombinedOptimizer(muon, adamw).")
     state = None
     if opt.state:
         state = opt.state_dict()

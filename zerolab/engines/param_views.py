@@ -42,6 +42,8 @@ class ParamViews:
     zerolab.buckets.Bucket). `names` maps id(parameter) -> its name (error messages).
     """
 
+    whole = None                     # engines.whole_matrix.WholeMatrices: cut parameters stepped whole
+
     def __init__(self, masters, buckets, slices, names=None, resident=None):
         self.names = names or {}
         self.buckets, self.slices = list(buckets), list(slices)
@@ -72,7 +74,7 @@ class ParamViews:
                 self.where[id(p)] = (i, lo - s.start, hi - s.start)
                 self.piece[id(p)] = (lo - o, hi - o)
             else:
-                view = flat[:0]                  # none of it here: never stepped on this rank
+                view = flat[:0].view((0,) + tuple(p.shape[1:]))   # none here: never stepped on this rank
                 self.where[id(p)] = (i, 0, 0)
                 self.piece[id(p)] = (0, 0)
             self.view_of[id(p)] = view
@@ -84,7 +86,12 @@ class ParamViews:
         """Each group's parameters -> their views, in the group's own order. A parameter the
         buckets do not hold (frozen) keeps its place, so the optimizer's state dict numbers
         every parameter as a plain optimizer over the same groups does. `moved`: {id(old
-        view): parameter} when the views are cut again (offload)."""
+        view): parameter} when the views are cut again (offload). A whole-matrix optimizer's
+        parameter cut by a shard's edge is handed whole to one rank (engines.whole_matrix)."""
+        from .whole_matrix import attach, whole_ids
+        self.whole = attach(self, whole_ids(optimizer, moved))
+        if self.whole is not None:      # (a torch.amp.GradScaler then reaches step(), which refuses it)
+            optimizer._step_supports_amp_scaling = True
         self.order = []               # the parameter behind each position of the state dict
         for group in optimizer.param_groups:
             out = []
@@ -97,6 +104,10 @@ class ParamViews:
     def move(self, masters, optimizer) -> None:
         """The masters moved (offload's host copies): cut the views again and put them in the
         optimizer's groups in place of the old ones."""
+        if self.whole is not None:
+            raise TypeError("offload='optimizer' steps the optimizer on host copies of the shards; a "
+                            "whole-matrix optimizer (Muon, Adafactor) needs the matrices a shard's edge "
+                            "cuts put together on the device. Use offload=None, or an elementwise optimizer.")
         behind = {id(self.view_of[id(p)]): p for p in self.params}
         self.bind(masters)
         self.place(optimizer, moved=behind)
@@ -133,9 +144,11 @@ class ParamViews:
     def segments(self, names) -> list:
         """Checkpoint segments (view, 0, name, lo, hi): each non-empty view is one piece of its
         parameter, with its optimizer state beside it."""
-        out = []
+        out = self.whole.segments(names) if self.whole is not None else []
         for p in self.params:
             lo, hi = self.piece[id(p)]
+            if self.whole is not None and id(p) in self.whole.values:
+                continue            # (stepped whole by its owner: its values are in the masters)
             if lo < hi:
                 out.append((self.view_of[id(p)], 0, names[id(p)], lo, hi))
         return out
@@ -211,7 +224,7 @@ class ParamViews:
             for name, value in entries.items():
                 if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) == shape:
                     mine[name] = value.reshape(-1)[lo:hi].reshape(view.shape).clone()
-                elif torch.is_tensor(value) and value.numel() > 1:
+                elif torch.is_tensor(value) and value.numel() > 1 and hi - lo < math.prod(shape):
                     raise ValueError(
                         f"optimizer.load_state_dict: the state {name!r} of "
                         f"{self.names.get(id(p), f'parameter {k}')} (position {k}) has shape "

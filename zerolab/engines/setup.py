@@ -163,10 +163,9 @@ def enable_residual(model, mesh, checkpoint_activations, partition_activations, 
 # ------------------------------------------------------------------ the optimizer factory
 
 
-# Optimizers whose update of an element depends on the rest of its tensor (Adafactor's
-# factored moments and relative step size, Muon's orthogonalized matrices). On a piece of a
-# parameter cut at a shard's edge they would compute something else than on the whole.
-WHOLE_TENSOR_OPTIMIZERS = tuple(getattr(torch.optim, n) for n in ("Adafactor", "Muon") if hasattr(torch.optim, n))
+# Optimizers whose update of an element depends on the rest of its tensor (Adafactor, Muon): the
+# engines hand them whole what a shard's edge cuts (zerolab.engines.whole_matrix).
+from .whole_matrix import WHOLE_TENSOR_OPTIMIZERS  # noqa: E402,F401 (zerolab's older name for it)
 
 
 def _optimizer_class(optimizer):
@@ -184,32 +183,18 @@ def _check_no_closure(optimizer) -> None:
                         "optimizer (SGD, Adam, AdamW, ...).")
 
 
-def _check_elementwise(optimizer, flat_engine: str) -> None:
-    kind = _optimizer_class(optimizer)
-    if kind is not None and issubclass(kind, WHOLE_TENSOR_OPTIMIZERS):
-        raise TypeError(
-            f"{flat_engine} hands the optimizer this rank's part of each parameter, cut where its "
-            f"shard ends, but {kind.__name__} updates each element from its whole tensor (norms, "
-            "matrix shape), so it would compute something else than on the parameters one by one. "
-            "Use an elementwise optimizer (SGD, Adam, AdamW, ...), or zl.DDP, zl.NaiveDDP or "
-            "zl.SingleProcess, which hand it whole parameters.")
-
-
 def check_optimizer_factory(optimizer, precision: str, flat_engine: str | None = None) -> None:
     """Refuse anything but a torch optimizer or a factory of one, before an engine touches the
     model. (A built optimizer's tensors and state are checked by param_groups.build.)
 
-    flat_engine: the engine's name if it steps the optimizer on flat buffers; then optimizers
-    that are not elementwise are refused too (when the factory shows its class: the class
-    itself, or a functools.partial of it; check_built_optimizer checks what any factory built).
+    flat_engine: the engine's name if it steps the optimizer on flat buffers (whole-matrix
+    optimizers such as Muon and Adafactor are accepted there too: zerolab.engines.whole_matrix).
     """
     if not isinstance(optimizer, torch.optim.Optimizer) and not callable(optimizer):
         raise TypeError(f"optimizer must be a torch optimizer built on the model's parameters, or a "
                         f"callable params -> torch.optim.Optimizer such as "
                         f"functools.partial(torch.optim.AdamW, lr=3e-4); got {optimizer!r}")
     _check_no_closure(optimizer)
-    if flat_engine is not None:
-        _check_elementwise(optimizer, flat_engine)
 
 
 def check_no_optimizer(engine_name: str, precision: str, max_grad_norm) -> None:
@@ -228,13 +213,10 @@ def check_no_optimizer(engine_name: str, precision: str, max_grad_norm) -> None:
 
 
 def check_built_optimizer(opt, flat_engine: str | None = None) -> None:
-    """What a factory returned: a torch optimizer that needs no closure (and, on flat engines,
-    an elementwise one)."""
+    """What a factory returned: a torch optimizer that needs no closure."""
     if not isinstance(opt, torch.optim.Optimizer):
         raise TypeError(f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
     _check_no_closure(opt)
-    if flat_engine is not None:
-        _check_elementwise(opt, flat_engine)
 
 
 def build_optimizer(optimizer, params, precision: str, flat_engine: str | None = None) -> torch.optim.Optimizer:

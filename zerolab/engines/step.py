@@ -151,6 +151,7 @@ class Step:
         run the update here themselves (run_update) and hand nothing to the optimizer's own."""
         if self.views is not None and not self._exposed:
             self.views.point_grads(self._unused_params())
+        self._gather_whole_matrices()
 
     def _unused_params(self) -> set:
         """ids of the trained parameters no rank's backward reached since zero_grad()."""
@@ -158,7 +159,24 @@ class Step:
 
     def _land_update(self) -> None:
         """After an applied update: the compute copies catch up with the masters."""
+        self._return_whole_matrices()
         self._publish()
+
+    # Whole-matrix optimizers (Muon, Adafactor: engines.whole_matrix): a parameter a shard's edge
+    # cuts is stepped whole by one rank; its pieces travel to it before the update and back after.
+    def _gather_whole_matrices(self) -> None:
+        whole = self.views.whole if self.views is not None else None
+        if whole is not None:
+            if getattr(self, "offload", None):
+                raise TypeError(f"offload={self.offload!r} with a whole-matrix optimizer (Muon, "
+                                "Adafactor): the matrices a shard's edge cuts are put together on the "
+                                "device, outside the offloaded update. Use offload=None, or an "
+                                "elementwise optimizer.")
+            whole.gather(self.comm, self.norm_group, self._unused_params())
+
+    def _return_whole_matrices(self) -> None:
+        if self.views is not None and self.views.whole is not None:
+            self.views.whole.give_back(self.comm, self.norm_group)
 
     # The defaults below are for one master per parameter (SingleProcess, NaiveDDP): in fp32
     # the masters ARE the parameters; in bf16/fp16 they are fp32 copies. The flat engines
