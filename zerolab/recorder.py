@@ -52,7 +52,7 @@ _MAGIC, _HEADER_SIZE = b"ZLREC2\0\0", 256                # state, count, opened,
 _STATE_AT, _COUNT_AT = 28, 32                             # byte offsets of header fields
 _SLOT = struct.Struct("<q q q d i ? 3x q 16s 12s 16s 48s 40s 80s")
 _DONE_AT, _SAME_FROM, _GROUP_FROM, _GROUP_TO, _SAME_TO = 36, 40, 76, 92, 140
-_Q, _QQ = struct.Struct("<q"), struct.Struct("<q q")
+_Q, _QQ, _SAME = struct.Struct("<q"), struct.Struct("<q q"), struct.Struct("<q 16s 12s 16s 48s")
 RUNNING, FAILED, EXITED = 0, 1, 2
 STATES = {RUNNING: "running", FAILED: "raised a collective error", EXITED: "exited"}
 SIZE = _HEADER_SIZE + SLOTS * _SLOT.size
@@ -235,11 +235,11 @@ class Recorder:
         self.count = 0                  # collectives noted in this run (all groups)
         self.run_dir = None
         self._mm = None
-        self._seq: dict = {}            # group name -> (its collectives so far, this rank's # of the last)
+        self._seq: dict = {}            # group name -> (its collectives so far, # of the last, its bytes)
         self._groups: dict = {}         # id(process group) -> (weakref, name, name bytes, neighbours)
         self._peers: dict = {}          # rank -> a read-only mmap of its file, or when to look again
         self._world = None              # the default process group this run belongs to
-        self._names: dict = {}          # (op, tag, dtype, shape) -> their bytes
+        self._names: dict = {}          # (op, tag, dtype, shape, group) -> their bytes
 
     # -- opening a run
     def _open(self) -> None:
@@ -284,18 +284,22 @@ class Recorder:
         info = self._groups[id(pg)] = (weakref.ref(pg), pg.group_name, pg.group_name.encode(), neighbours)
         return info
 
-    def _encode(self, op, tag, dtype, shape) -> tuple:
-        """The bytes of a collective's names, kept (they repeat; at most 4096 kinds are kept)."""
+    def _encode(self, op, tag, dtype, shape, name, name_b, numel) -> tuple:
+        """The bytes of a collective's names, and the bytes every rank must agree on (what its
+        slot holds from _SAME_FROM to _SAME_TO); kept: they repeat (at most 4096 kinds kept)."""
         if len(self._names) > 4096:
             self._names.clear()
-        names = (op.encode(), dtype.encode(), tag.encode(), "x".join(map(str, shape)).encode())
-        self._names[(op, tag, dtype, shape)] = names
+        op_b, dtype_b, tag_b = op.encode(), dtype.encode(), tag.encode()
+        names = (op_b, dtype_b, tag_b, "x".join(map(str, shape)).encode(),
+                 _SAME.pack(numel, op_b, dtype_b, name_b, tag_b))
+        self._names[(op, tag, dtype, shape, name)] = names
         return names
 
     # -- the hot path: note, wait, done
     def note(self, op: str, tag: str, shape, dtype: str, numel: int, nbytes: int, pg, group_size: int):
-        """Record the collective this rank is about to enter; returns (index, seq, group name,
-        neighbours) for `clash` and `done`, or None when the recorder is off.
+        """Record the collective this rank is about to enter; returns (index, seq, neighbours, its
+        bytes to agree on, those of the one before in its group) for `clash` and `done`, or None
+        when the recorder is off.
         pg: the process group object (not None)."""
         if not self.enabled:
             return None
@@ -305,19 +309,19 @@ class Recorder:
             if info is None:            # ZEROLAB_RECORD_DIR=off
                 return None
         _, name, name_b, neighbours = info
-        names = self._names.get((op, tag, dtype, shape))
+        names = self._names.get((op, tag, dtype, shape, name))
         if names is None:
-            names = self._encode(op, tag, dtype, shape)
+            names = self._encode(op, tag, dtype, shape, name, name_b, numel)
         self.count = index = self.count + 1
-        seq, before = 0, 0
+        seq, before = 0, None
         if op not in P2P:
-            seq, before = self._seq.get(name, (0, 0))
+            seq, _, before = self._seq.get(name, (0, 0, None))
             seq += 1
-            self._seq[name] = (seq, index)
+            self._seq[name] = (seq, index, names[4])
         _SLOT.pack_into(self._mm, _HEADER_SIZE + (index - 1) % SLOTS * _SLOT.size, index, seq, nbytes, time.time(),
                         group_size, False, numel, names[0], names[1], name_b, names[2], names[3], user_site())
         _Q.pack_into(self._mm, _COUNT_AT, index)
-        return index, seq, name, neighbours, before
+        return index, seq, neighbours, names[4], before
 
     def done(self, index: int) -> None:
         """Collective #index completed."""
@@ -359,15 +363,11 @@ class Recorder:
         Two ranks that enter a place at the same moment may each look before the other wrote;
         the place before catches that at the next collective. Looks at the neighbours' last 8
         records only: a few microseconds."""
-        index, seq, _name, neighbours, before = noted
+        index, seq, neighbours, same, before = noted
         if not seq:
             return None
-        at = _HEADER_SIZE + (index - 1) % SLOTS * _SLOT.size
-        mine = {seq: self._mm[at + _SAME_FROM:at + _SAME_TO]}
-        if before and index - before < SLOTS:
-            at = _HEADER_SIZE + (before - 1) % SLOTS * _SLOT.size
-            mine[seq - 1] = self._mm[at + _SAME_FROM:at + _SAME_TO]
-        group = mine[seq][_GROUP_FROM - _SAME_FROM:_GROUP_TO - _SAME_FROM]
+        mine = {seq: same, seq - 1: before}
+        group = same[_GROUP_FROM - _SAME_FROM:_GROUP_TO - _SAME_FROM]
         for rank in neighbours:
             buf = self._peers.get(rank)
             if not isinstance(buf, mmap.mmap):
@@ -378,12 +378,13 @@ class Recorder:
             for i in range(count, max(0, count - 8), -1):
                 at = _HEADER_SIZE + (i - 1) % SLOTS * _SLOT.size
                 their_index, their_seq = _QQ.unpack_from(buf, at)
-                if their_index != i or their_seq > seq or buf[at + _GROUP_FROM:at + _GROUP_TO] != group:
-                    continue            # another group's collective, or a later one of this group
-                if their_seq not in mine:
-                    break               # it has not reached these places yet
-                if buf[at + _SAME_FROM:at + _SAME_TO] != mine[their_seq]:
+                if their_index != i or not 0 < their_seq <= seq or buf[at + _GROUP_FROM:at + _GROUP_TO] != group:
+                    continue            # another group's, a point-to-point one, or a later one of this group
+                theirs = buf[at + _SAME_FROM:at + _SAME_TO]
+                if mine.get(their_seq, theirs) != theirs:
                     return rank, _entry(buf, i)
+                if their_seq < seq:
+                    break               # it has not reached this place yet (the one before agrees)
         return None
 
 
