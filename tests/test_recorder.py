@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
-from zerolab import doctor, recorder
+from zerolab import bench, doctor, recorder
 from zerolab.comm import Ledger
 
 pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
@@ -246,3 +246,13 @@ def test_the_recorder_reads_back_what_it_wrote_and_finds_the_parting():
     moved = record(1, [same[0], entry(2, "all_gather", "b", "u.py:7"), entry(3, "reduce_scatter", "c", "t.py:9")])
     hard, soft = doctor.parting({0: a, 1: moved})
     assert (hard.seq, soft.seq) == (3, 2) and "rank 1 all_gather 'b' (u.py:7)" in str(soft)
+
+
+def test_the_instruments_overhead_is_measured_for_every_collective_and_instrument():
+    m = bench.measure_overhead(world_size=2, numel=16, calls=5, rounds=2)
+    assert set(m["per_op"]) == {"all_reduce", "reduce_scatter", "all_gather"}
+    for rows in m["per_op"].values():
+        assert set(rows) == {"collective", "ledger", "+ recorder", "+ watchdog"}
+        assert all(len(v) == 2 for v in rows.values()) and min(rows["collective"]) > 0
+    line = bench.format_overhead(m)
+    assert line.startswith("zerolab's instruments per collective (2 ranks, gloo, 64 bytes") and " us in all" in line
