@@ -279,6 +279,8 @@ class Recorder:
             if not self.enabled:
                 return None
         ranks = dist.get_process_group_ranks(pg)
+        if dist.get_rank() not in ranks:
+            return None                 # (torch does nothing for a rank outside the group)
         me = ranks.index(dist.get_rank())
         neighbours = sorted({ranks[(me - 1) % len(ranks)], ranks[(me + 1) % len(ranks)]} - {ranks[me]})
         info = self._groups[id(pg)] = (weakref.ref(pg), pg.group_name, pg.group_name.encode(), neighbours)
@@ -306,7 +308,7 @@ class Recorder:
         info = self._groups.get(id(pg))
         if info is None or info[0]() is not pg:
             info = self._join(pg)
-            if info is None:            # ZEROLAB_RECORD_DIR=off
+            if info is None:            # ZEROLAB_RECORD_DIR=off, or not a member of the group
                 return None
         _, name, name_b, neighbours = info
         names = self._names.get((op, tag, dtype, shape, name))
