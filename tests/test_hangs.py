@@ -205,7 +205,6 @@ def test_a_store_that_fails_at_once_under_torchrun_blames_torchruns_agent(monkey
     import datetime
 
     from zerolab import watchdog
-    from zerolab.comm import CollectiveTimeout
 
     class Gone:
         timeout = datetime.timedelta(seconds=30)
@@ -216,13 +215,16 @@ def test_a_store_that_fails_at_once_under_torchrun_blames_torchruns_agent(monkey
         def set(self, key, value):
             raise RuntimeError("Connection refused")
 
+        check = set
+
     monkeypatch.setattr(watchdog, "_store", lambda: Gone())
     monkeypatch.setattr(watchdog.dist, "get_rank", lambda group=None: 1)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     monkeypatch.setenv("MASTER_ADDR", "node0")
     monkeypatch.delenv("ZEROLAB_WORKER", raising=False)
-    with pytest.raises(CollectiveTimeout) as info:
-        watchdog.announce("all_reduce", "bucket0", 30.0)
-    message = str(info.value)
+    # what a rank whose collective failed asks the store (it publishes its flight record)
+    status, _ = watchdog._through_store(lambda store: store.set("zerolab/flight/1", "..."), 30.0)
+    message = watchdog.store_said(status, 30.0)
+    assert status == "failed"
     assert "the rendezvous store failed at once: torchrun's agent on node0" in message, message
     assert "not another rank" in message and "rank 0" not in message, message

@@ -3,6 +3,7 @@
     python -m zerolab train --world-size 2 --steps 100 [--strategy ddp] [--precision bf16]
     python -m zerolab bench [--quick]
     python -m zerolab consolidate CHECKPOINT_DIR OUT.pt   # one fp32 state dict, no processes
+    python -m zerolab doctor [DIR]                # where the ranks' collectives parted (zerolab.doctor)
     torchrun --nproc-per-node 2 -m zerolab train ...
 """
 
@@ -30,6 +31,9 @@ def main(argv=None) -> int:
     p_cons.add_argument("out", help="where to write the state dict (torch.save; load it with "
                         "torch.load(out, weights_only=True))")
 
+    p_doc = sub.add_parser("doctor", help="read a run's collective flight records: where the ranks parted")
+    p_doc.add_argument("dir", nargs="?", help="the run's records (named in the error; default: the newest run)")
+
     if importlib.util.find_spec("zerolab.bench"):
         sub.add_parser("bench", help="benchmark the engines side by side", add_help=False)
 
@@ -46,6 +50,9 @@ def main(argv=None) -> int:
         return train.main(args)
     if args.command == "consolidate":
         return consolidate_main(args)
+    if args.command == "doctor":
+        from .doctor import main as doctor_main
+        return doctor_main(args.dir)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

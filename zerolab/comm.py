@@ -18,22 +18,31 @@ each record also books how many of those bytes cross to another node (`bytes_int
 this rank sends everything to the next rank of its group, in an all-to-all 1/N to each. Async operations return a Handle whose
 wait() stamps the end time, which gives the timelines of chapters 5 and 8.
 
+The ledger keeps the last KEEP_RECORDS records (`records`, oldest first) and, exactly, running
+totals per operation and tag, which `bytes()` and `summary()` read: a run of any length holds the
+same memory, and a chapter that wants one step's records calls reset() before that step.
+
 A collective that never completes (a rank stuck, crashed, or running different code) would
 block its peers until the process group's own timeout. A Ledger with a `timeout` (the default:
 $ZEROLAB_COLLECTIVE_TIMEOUT, else 300 s, wherever torch.distributed is initialised: under
 zl.launch, torchrun, or a process group you made) waits at most that long and then raises
 CollectiveTimeout naming the operation and the ranks that did not arrive (zerolab.watchdog).
+Every collective is first noted in this rank's flight recorder (zerolab.recorder); a rank that
+finds a neighbour already at the same place of the sequence in another collective raises
+CollectiveMismatch at once, naming where the ranks' sequences parted.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from . import watchdog
+from .recorder import RECORDER
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
         "product": dist.ReduceOp.PRODUCT}
@@ -43,7 +52,10 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-@dataclass
+KEEP_RECORDS = 1024     # records a ledger keeps: several steps of every model in the book
+
+
+@dataclass(slots=True)
 class CommRecord:
     """One collective as seen by this rank."""
 
@@ -65,38 +77,69 @@ class CommRecord:
 
 class CollectiveError(RuntimeError):
     """A collective failed (a peer closed its connection...); the message names the ranks that
-    had not arrived, as far as the store knows."""
+    had not arrived, from their flight records."""
 
 
 class CollectiveTimeout(CollectiveError):
     """A collective did not complete within the ledger's timeout."""
 
 
+class CollectiveMismatch(CollectiveError):
+    """A peer is at this collective's place of the sequence in another collective: the ranks'
+    programs parted, and waiting would hang. Raised before this rank enters it."""
+
+
+class RecordWindow(deque):
+    """A ledger's most recent records, oldest first: at most `maxlen`, older ones fall out as new
+    ones come. Read it as a list (len, iteration, [i], [a:b])."""
+
+    def __init__(self, records=(), maxlen: int = KEEP_RECORDS):
+        super().__init__(records, maxlen)
+
+    def __getitem__(self, i):
+        return list(self)[i] if isinstance(i, slice) else super().__getitem__(i)
+
+
 class Handle:
     """An async collective in flight. wait() blocks until it is done and records the end time."""
 
-    def __init__(self, work, record: CommRecord, ledger: "Ledger", group=None, seq: int = 0):
+    def __init__(self, work, record: CommRecord, ledger: "Ledger", group=None, noted=None, watched=False):
         self._work, self.record, self._ledger = work, record, ledger
-        self._group, self._seq = group, seq
+        self._group, self._noted, self._watched = group, noted, watched
+        self._generation = ledger._generation
 
     def wait(self) -> None:
         if self._work is not None:
             timeout = self._ledger.timeout
-            if self._seq == 0:          # not watched: as long as the process group allows
+            if not self._watched or timeout is None:   # as long as the process group allows
                 self._work.wait()
             else:
                 try:
                     watchdog.wait(self._work, timeout)
                 except RuntimeError as exc:
                     # it waited too long, or it failed at once (a peer closed its connection)
-                    waited = "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
-                    raise self._ledger._timed_out(self.record, self._group, self._seq, exc, waited) from None
+                    raise self._ledger._failed(self, exc) from None
             self._work = None
+        if self._noted is not None:
+            RECORDER.done(self._noted[0])
+            self._noted = None
         if self.record.end is None:
             self.record.end = self._ledger.now()
+            self._ledger._finished(self)
 
     def is_completed(self) -> bool:
         return self._work is None or self._work.is_completed()
+
+
+_DTYPE_NAMES: dict = {}
+
+
+def _dtype_name(dtype) -> str:
+    """"float32" for torch.float32 (kept: it is asked for at every collective)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
 
 
 def _reduce_op(op: str):
@@ -114,6 +157,10 @@ def _group_rank(group) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
+def _group_ranks(group) -> list:
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
+
 TIMEOUT_ENV = watchdog.TIMEOUT_ENV
 
 
@@ -129,23 +176,47 @@ class Ledger:
     timeout: seconds a collective may take before CollectiveTimeout names the op and the
     ranks that did not arrive (default: default_timeout(), 300 s unless $ZEROLAB_COLLECTIVE_TIMEOUT
     says otherwise; None: wait as long as the process group allows).
+    records: the last KEEP_RECORDS records; bytes() and summary() count every collective since the
+    last reset(), from running totals.
     """
 
     group: object = None
-    records: list = field(default_factory=list)
+    records: RecordWindow = field(default_factory=RecordWindow)
     timeout: float | None = field(default_factory=watchdog.default_timeout)
     topology: object = None          # a zl.Topology: then each record books its cross-node bytes
 
     def __post_init__(self):
         self._epoch = time.perf_counter()
+        self._totals: dict = {}      # (op, tag) -> [calls, bytes sent, of them inter-node, seconds]
+        self._generation = 0         # handles from before a reset() add nothing to the new totals
 
     # --- bookkeeping
     def now(self) -> float:
         return time.perf_counter() - self._epoch
 
     def reset(self) -> None:
-        """Forget all records (the clock keeps running)."""
+        """Forget all records and totals (the clock keeps running)."""
         self.records.clear()
+        self._totals.clear()
+        self._generation += 1
+
+    def keep_last(self, n: int) -> None:
+        """Keep the last n records from now on (the totals stay exact whatever n is)."""
+        self.records = RecordWindow(self.records, maxlen=n)
+
+    def _book(self, rec: CommRecord) -> None:
+        self.records.append(rec)
+        row = self._totals.get((rec.op, rec.tag))
+        if row is None:
+            row = self._totals[(rec.op, rec.tag)] = [0, 0, 0, 0.0]
+        row[0] += 1
+        row[1] += rec.bytes_sent
+        row[2] += rec.bytes_inter or 0
+
+    def _finished(self, handle: Handle) -> None:
+        if handle._generation == self._generation:
+            rec = handle.record
+            self._totals[(rec.op, rec.tag)][3] += rec.end - rec.start
 
     def bytes(self, op: str | None = None, tag: str | None = None, link: str | None = None) -> int:
         """Total bytes this rank sent, optionally only for one op, one tag (a prefix ending in ':'
@@ -156,44 +227,46 @@ class Ledger:
         if link is not None and self.topology is None:
             raise ValueError("bytes by link class need a topology: set ledger.topology = zl.Topology(...)")
         total = 0
-        for r in self.records:
-            if (op is None or r.op == op) and (tag is None or r.tag == tag
-                                              or (tag.endswith(":") and r.tag.startswith(tag))):
-                inter = r.bytes_inter or 0
-                total += r.bytes_sent if link is None else inter if link == "inter" else r.bytes_sent - inter
+        for (r_op, r_tag), (_calls, sent, inter, _s) in self._totals.items():
+            if (op is None or r_op == op) and (tag is None or r_tag == tag
+                                              or (tag.endswith(":") and r_tag.startswith(tag))):
+                total += sent if link is None else inter if link == "inter" else sent - inter
         return total
 
     def summary(self) -> dict:
-        """{op: {"calls": n, "bytes": b, "seconds": s}} over the records."""
+        """{op: {"calls": n, "bytes": b, "seconds": s}} over every collective since the last reset."""
         out: dict[str, dict] = {}
-        for r in self.records:
-            row = out.setdefault(r.op, {"calls": 0, "bytes": 0, "seconds": 0.0})
-            row["calls"] += 1
-            row["bytes"] += r.bytes_sent
-            row["seconds"] += 0.0 if r.end is None else r.end - r.start
+        for (op, _tag), (calls, sent, _inter, seconds) in self._totals.items():
+            row = out.setdefault(op, {"calls": 0, "bytes": 0, "seconds": 0.0})
+            row["calls"] += calls
+            row["bytes"] += sent
+            row["seconds"] += seconds
         return out
 
-    def _run(self, op, tensor_full_numel, dtype, factor, call, group, async_op, tag):
+    def _run(self, op, tensor_full_numel, dtype, factor, call, group, async_op, tag, shape=()):
         group = self.group if group is None else group
         n = _group_size(group)
         elem = dtype.itemsize
-        rec = CommRecord(op=op, dtype=str(dtype).replace("torch.", ""), numel=int(tensor_full_numel),
+        rec = CommRecord(op=op, dtype=_dtype_name(dtype), numel=int(tensor_full_numel),
                          bytes_sent=round(factor(n) * tensor_full_numel * elem), group_size=n,
                          start=self.now(), tag=tag, async_op=async_op)
         if self.topology is not None and op not in ("send", "recv"):
             rec.bytes_inter = self._inter_bytes(op, group, rec.bytes_sent)
-        self.records.append(rec)
-        seq = 0
+        self._book(rec)
         if n == 1 or not dist.is_initialized():
-            work = None  # one rank: the result is already in place, nothing moves
-        elif self.timeout is None or not watchdog.store_available():
-            work = call(group, async_op)
-            if not async_op:
-                work = None  # done already (dist.recv even returns the sender's rank, not a Work)
+            handle = Handle(None, rec, self)  # one rank: the result is already in place, nothing moves
         else:
-            seq = self._announce(rec)
-            work = call(group, True)  # asynchronous, so that the wait can be bounded
-        handle = Handle(work, rec, self, group, seq)
+            pg = group if group is not None else dist.group.WORLD
+            noted = RECORDER.note(op, tag, shape, rec.dtype, rec.numel, rec.bytes_sent, pg, n)
+            clash = None if noted is None else RECORDER.clash(noted)
+            if clash is not None:
+                raise CollectiveMismatch(watchdog.mismatch_message(noted, clash, dist.get_rank(), _group_ranks(group))
+                                         + watchdog.records_note())
+            watched = self.timeout is not None
+            work = call(group, async_op or watched)   # watched: asynchronous, so the wait can be bounded
+            if not (async_op or watched):
+                work = None  # done already (dist.recv even returns the sender's rank, not a Work)
+            handle = Handle(work, rec, self, group, noted, watched)
         if async_op:
             return handle
         handle.wait()
@@ -215,19 +288,18 @@ class Ledger:
         return sent if topo.link(me, nxt) == "inter" else 0
 
     # --- the watchdog (only with a timeout): zerolab.watchdog
-    def _announce(self, rec: CommRecord) -> int:
-        return watchdog.announce(rec.op, rec.tag, self.timeout)
-
-    def _timed_out(self, rec: CommRecord, group, seq: int, exc, waited: bool = True) -> CollectiveError:
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    def _failed(self, handle: Handle, exc) -> CollectiveError:
+        rec, noted = handle.record, handle._noted
+        waited = "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
         me = dist.get_rank()
-        who = watchdog.who_is_behind(ranks, me, seq, rec.op, rec.tag, self.timeout, waited)
-        watchdog.keep_until_exit(group)     # (so that this process can exit at once)
-        what = f"{rec.op}{f' {rec.tag!r}' if rec.tag else ''} (collective #{seq} of rank {me})"
+        who = watchdog.failure_message(noted, _group_ranks(handle._group), me, self.timeout, waited)
+        watchdog.keep_until_exit(handle._group)     # (so that this process can exit at once)
+        number = f"collective #{noted[0]}" if noted else "a collective"
+        what = f"{rec.op}{f' {rec.tag!r}' if rec.tag else ''} ({number} of rank {me})"
         kind, how = (CollectiveTimeout, f"did not complete within {self.timeout:g} s") if waited else \
             (CollectiveError, "failed: a peer left it")
-        return kind(f"{what} {how}. Ranks that did not arrive: {who}. A rank that crashed, hangs, "
-                    f"finished early or runs a different sequence of collectives causes this. [{exc}]")
+        return kind(f"{what} {how}. {who} A rank that crashed, hangs, finished early or runs a different "
+                    f"sequence of collectives causes this.{watchdog.records_note()} [{exc}]")
 
     # --- collectives
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group=None, async_op=False, tag=""):
@@ -235,7 +307,7 @@ class Ledger:
         red = _reduce_op(op)
         return self._run("all_reduce", tensor.numel(), tensor.dtype, lambda n: 2 * (n - 1) / n,
                          lambda g, a: dist.all_reduce(tensor, op=red, group=g, async_op=a),
-                         group, async_op, tag)
+                         group, async_op, tag, tensor.shape)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", group=None,
                        async_op=False, tag=""):
@@ -244,7 +316,7 @@ class Ledger:
         self._one_nth("reduce_scatter", output, input, group, whole="input")
         return self._run("reduce_scatter", input.numel(), input.dtype, lambda n: (n - 1) / n,
                          lambda g_, a: _reduce_scatter(output, input, op=red, group=g_, async_op=a),
-                         group, async_op, tag)
+                         group, async_op, tag, input.shape)
 
     def _one_nth(self, op, output, input, group, whole: str) -> None:
         """`whole` ("input" or "output") must hold N times the other's elements; with a group of
@@ -263,7 +335,7 @@ class Ledger:
         self._one_nth("all_gather", output, input, group, whole="output")
         return self._run("all_gather", output.numel(), output.dtype, lambda n: (n - 1) / n,
                          lambda g_, a: _all_gather(output, input, group=g_, async_op=a),
-                         group, async_op, tag)
+                         group, async_op, tag, output.shape)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, group=None, async_op=False, tag=""):
         """tensor <- rank src's tensor (src is a rank of the default group)."""
@@ -274,7 +346,7 @@ class Ledger:
         sends = 0.0 if _group_rank(g) == last_in_chain else 1.0
         return self._run("broadcast", tensor.numel(), tensor.dtype, lambda n_: sends if n_ > 1 else 0.0,
                          lambda g_, a: dist.broadcast(tensor, src=src, group=g_, async_op=a),
-                         group, async_op, tag)
+                         group, async_op, tag, tensor.shape)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group=None, tag=""):
         """output[i-th 1/N] <- the i-th rank's input[this rank's 1/N] (equal splits; blocking)."""
@@ -286,7 +358,7 @@ class Ledger:
             output.copy_(input)
         return self._run("all_to_all", input.numel(), input.dtype, lambda n: (n - 1) / n,
                          lambda g_, a: dist.all_to_all_single(output, input, group=g_, async_op=a),
-                         group, False, tag)
+                         group, False, tag, input.shape)
 
     def barrier(self, group=None) -> None:
         """Wait for every rank of the group (recorded with 0 bytes)."""
@@ -296,16 +368,16 @@ class Ledger:
     # --- point to point (the ring algorithms of zl.collectives are built from these)
     def send(self, tensor: torch.Tensor, dst: int, group=None, tag=""):
         self._run("send", tensor.numel(), tensor.dtype, lambda n: 1.0,
-                  lambda g, a: (dist.isend if a else dist.send)(tensor, dst=dst, group=g), group, False, tag)
+                  lambda g, a: (dist.isend if a else dist.send)(tensor, dst=dst, group=g), group, False, tag, tensor.shape)
 
     def recv(self, tensor: torch.Tensor, src: int, group=None, tag=""):
         self._run("recv", tensor.numel(), tensor.dtype, lambda n: 0.0,
-                  lambda g, a: (dist.irecv if a else dist.recv)(tensor, src=src, group=g), group, False, tag)
+                  lambda g, a: (dist.irecv if a else dist.recv)(tensor, src=src, group=g), group, False, tag, tensor.shape)
 
     def isend(self, tensor: torch.Tensor, dst: int, group=None, tag="") -> Handle:
         return self._run("send", tensor.numel(), tensor.dtype, lambda n: 1.0,
-                         lambda g, a: dist.isend(tensor, dst=dst, group=g), group, True, tag)
+                         lambda g, a: dist.isend(tensor, dst=dst, group=g), group, True, tag, tensor.shape)
 
     def irecv(self, tensor: torch.Tensor, src: int, group=None, tag="") -> Handle:
         return self._run("recv", tensor.numel(), tensor.dtype, lambda n: 0.0,
-                         lambda g, a: dist.irecv(tensor, src=src, group=g), group, True, tag)
+                         lambda g, a: dist.irecv(tensor, src=src, group=g), group, True, tag, tensor.shape)

@@ -42,13 +42,18 @@ What each column measures:
   ledger       zerolab only: the bytes its ledger books for the step under the ring model
                (gloo implements reduce-scatter with an all-reduce, so the wire carries more)
   final loss   the last step's loss, mean over ranks; all distributed engines must agree
+
+Under the table, one line says what zerolab's instruments (the ledger, its flight recorder and its
+watchdog) add to each collective, from a measurement of its own (zerolab.bench.overhead).
 """
 
 from .engines import KINDS, ZEROLAB, Runner, build_runners, deepspeed_config, engine_factories, make_zerolab, \
     quiet_deepspeed
 from .report import COUNT_COLUMNS, TIMING_COLUMNS, format_table, summarize, targets
+from .overhead import format_overhead, measure as measure_overhead
 from .run import GPU_NOTE, bench_worker, main, measure_memory, run, written_bytes
 
 __all__ = ["KINDS", "ZEROLAB", "Runner", "build_runners", "deepspeed_config", "engine_factories", "make_zerolab",
            "quiet_deepspeed", "COUNT_COLUMNS", "TIMING_COLUMNS", "format_table", "summarize", "targets",
-           "GPU_NOTE", "bench_worker", "main", "measure_memory", "run", "written_bytes"]
+           "GPU_NOTE", "bench_worker", "main", "measure_memory", "run", "written_bytes", "format_overhead",
+           "measure_overhead"]

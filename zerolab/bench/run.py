@@ -17,6 +17,7 @@ from ..data import CharDataset
 from ..launch import launch
 from ..models import GPT, SIZES, gpt_config
 from .engines import KINDS, build_runners, engine_factories
+from .overhead import format_overhead, measure as measure_overhead
 from .report import format_table, summarize, targets
 
 GPU_NOTE = "GPU path: not run, no device was available"
@@ -184,6 +185,8 @@ def main(argv=None, plot=None):
         print(f"DeepSpeed's final loss is {s['deepspeed_gap']:.2e} from PyTorch DDP's: its steps drift from "
               f"the others by more than fp32 rounding (cause not found; same seed, data and AdamW).")
     print(s["note"])
+    # what zerolab's ledger, flight recorder and watchdog add to each collective: its own measurement
+    print(format_overhead(measure_overhead(a.world_size, calls=60 if a.quick else 200, rounds=3 if a.quick else 5)))
     print(GPU_NOTE)
     for text, ok in targets(s):
         print(f"  [{ {True: 'met', False: 'MISSED', None: 'within the spread'}[ok]}] {text}")

@@ -16,11 +16,15 @@ mixin of zerolab.engines.zero3.engine.ZeRO3 decides WHEN, from hooks on the mode
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..base import tensors_in
 from .units import Event, _InputsGradDone
+
+EVENTS_KEPT = 4096      # engine.events keeps the most recent: several steps of any model in the book
 
 
 class UnitSchedule:
@@ -50,6 +54,9 @@ class UnitSchedule:
 
     # -------------------------------------------------------------- hooks
     def _install_hooks(self):
+        # the lifecycle's events, oldest first: the last EVENTS_KEPT only, so that a long run holds
+        # the same memory (a chapter that draws one step clears them before it)
+        self.events = deque(self.events, maxlen=EVENTS_KEPT)
         self.model.register_state_dict_pre_hook(self._refuse_released_state_dict)
         self.model.register_state_dict_post_hook(lambda *a: self._copy_gathered_values(*a))
         for u in self.units:
