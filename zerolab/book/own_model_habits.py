@@ -18,14 +18,19 @@ from . import own_model_demo as demo
 
 
 def _engine(precision, stage=2):
+    """ZeRO at `stage`, or zl.DDP for stage=0, on a fresh GPT-2 and a plain AdamW built before it."""
     model = demo.gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=demo.LR)
+    if stage == 0:
+        return zl.DDP(model, optimizer, precision=precision, track_peak=False), optimizer
     return zl.ZeRO(model, optimizer, stage=stage, precision=precision, track_peak=False), optimizer
 
 
 def _grad_bytes(engine) -> int:
-    """Bytes this rank sent for the gradients in the last step (the reduce-scatter of ZeRO-2)."""
-    return sum(r.bytes_sent for r in engine.comm.records if r.op == "reduce_scatter")
+    """Bytes this rank sent for the gradients in the last step (ZeRO-2's reduce-scatter, or
+    zl.DDP's all-reduce of its buckets)."""
+    return sum(r.bytes_sent for r in engine.comm.records
+               if r.op == "reduce_scatter" or (r.op == "all_reduce" and r.tag.startswith("bucket")))
 
 
 def precision_habits() -> dict:
@@ -33,12 +38,14 @@ def precision_habits() -> dict:
     rank, world = demo.where()
     ids = demo.tokens(0, 0, rank, world)
     out = {}
-    # 1. PyTorch's recipe for fp16: GradScaler around the optimizer the engine steps, on an fp32
-    # engine (it trains: the optimizer's parameters are the ones whose gradients the scaler reads)
-    # and on an fp16 engine (two scalers on one loss: refused by name)
-    for habit, precision in (('GradScaler around precision="fp32"', "fp32"),
-                             ('GradScaler around precision="fp16"', "fp16")):
-        engine, optimizer = _engine(precision)
+    # 1. PyTorch's recipe for fp16: GradScaler around the optimizer the engine steps, on zl.DDP in
+    # fp32 (it trains: the optimizer's parameters hold the whole averaged gradients the scaler
+    # reads), on ZeRO-2 in fp32 (each rank holds a slice: refused by name) and on an fp16 engine
+    # (two scalers on one loss: refused by name)
+    for habit, precision, stage in (('GradScaler around zl.DDP, precision="fp32"', "fp32", 0),
+                                    ('GradScaler around ZeRO-2, precision="fp32"', "fp32", 2),
+                                    ('GradScaler around ZeRO-2, precision="fp16"', "fp16", 2)):
+        engine, optimizer = _engine(precision, stage)
         engine.comm.reset()
         scaler = torch.amp.GradScaler("cpu")
         try:
