@@ -36,7 +36,7 @@ import torch.distributed as dist
 import zerolab as zl
 from gpu.common import bf16_matmul_peak, machine
 from gpu.workers import _batch, bench_cfg, compute_device
-from zerolab.bench import make_zerolab
+from zerolab.bench import deepspeed_config, make_zerolab
 from zerolab.models import GPT, flops_per_token, gpt_loss
 
 H100_SXM_BF16_DENSE = 989e12      # NVIDIA H100 datasheet, SXM5, dense (the 1,979 figure is with sparsity)
@@ -59,13 +59,7 @@ def build(name, model, compiled, batch, dev):
         return eng, eng.backward, eng.step, eng.zero_grad, False, "AdamW(fused=True)"
     if name.startswith("DeepSpeed"):
         import deepspeed
-        bucket = int(BUCKET_MB * 2 ** 20 / 2)
-        cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
-               "bf16": {"enabled": True}, "steps_per_print": 10 ** 9,
-               "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
-               "zero_optimization": {"stage": int(name[-1]), "reduce_bucket_size": bucket,
-                                     "allgather_bucket_size": bucket, "overlap_comm": True,
-                                     "contiguous_gradients": True}}
+        cfg = deepspeed_config(int(name[-1]), batch, BUCKET_MB, bf16=True, overlap=True, adamw_lr=3e-4)
         eng, opt, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         inner = getattr(opt, "optimizer", opt)
         return eng, eng.backward, eng.step, (lambda: None), False, type(inner).__name__

@@ -36,6 +36,7 @@ import torch
 import zerolab as zl
 from gpu.common import machine
 from gpu.workers import _batch, bench_cfg, compute_device, pcie_bandwidth
+from zerolab.bench import deepspeed_config
 from zerolab.models import GPT, gpt_loss
 
 ROWS = (("zl.ZeRO-1", 1, None), ("zl.ZeRO-1", 1, "optimizer"),
@@ -60,11 +61,7 @@ def disk_io():
 
 def deepspeed_engine(stage, model, batch):
     import deepspeed
-    cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
-           "bf16": {"enabled": True}, "steps_per_print": 10 ** 9,
-           "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
-           "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                                 "overlap_comm": True, "contiguous_gradients": True}}
+    cfg = deepspeed_config(stage, batch, None, bf16=True, overlap=True, adamw_lr=3e-4, offload_optimizer=True)
     eng, opt, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     return eng, type(getattr(opt, "optimizer", opt)).__name__
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
-from zerolab.bench import make_zerolab
+from zerolab.bench import deepspeed_config, make_zerolab
 from zerolab.data import CharDataset
 from zerolab.models import GPT, GPTConfig, gpt_config, gpt_loss
 
@@ -161,11 +161,7 @@ def _peer(name, model, bucket_mb, dev):
 
 def _deepspeed(stage, model, batch, bucket_mb):
     import deepspeed
-    bucket = int(bucket_mb * 2 ** 20 / 2)   # elements of bf16
-    cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
-           "bf16": {"enabled": True}, "steps_per_print": 10 ** 9, "zero_allow_untested_optimizer": True,
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
-                                 "overlap_comm": True, "contiguous_gradients": True}}
+    cfg = deepspeed_config(stage, batch, bucket_mb, bf16=True, overlap=True)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     eng, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     return eng

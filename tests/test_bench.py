@@ -138,3 +138,25 @@ def test_timings_come_with_their_spread_over_repetitions():
     # one repetition says nothing about the noise
     s = bench.summarize(_fake_results(faster[:1]), steps=3)
     assert [ok for text, ok in bench.targets(s) if "step time" in text] == [None]
+
+
+def test_the_gpu_runs_deepspeed_configs_come_from_the_same_place():
+    # the configs gpu/ ran with before they were built by bench.deepspeed_config, written out
+    bucket = int(25.0 * 2 ** 20 / 2)            # 25 MiB of bf16, in elements
+    assert bench.deepspeed_config(3, 8, 25.0, bf16=True, overlap=True) == {
+        "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True}, "steps_per_print": 10 ** 9, "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                              "overlap_comm": True, "contiguous_gradients": True}}
+    assert bench.deepspeed_config(2, 8, 25.0, bf16=True, overlap=True, adamw_lr=3e-4) == {
+        "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True}, "steps_per_print": 10 ** 9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                              "overlap_comm": True, "contiguous_gradients": True}}
+    assert bench.deepspeed_config(3, 8, None, bf16=True, overlap=True, adamw_lr=3e-4, offload_optimizer=True) == {
+        "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True}, "steps_per_print": 10 ** 9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                              "overlap_comm": True, "contiguous_gradients": True}}

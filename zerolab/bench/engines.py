@@ -63,22 +63,41 @@ def _torch_runner(name, kind, family, model, optimizer):
     return Runner(name, kind, family, step)
 
 
-def deepspeed_config(stage, batch, bucket_mb):
-    """DeepSpeed's config for one stage, with the same bucket size as every other engine.
+def deepspeed_config(stage, batch, bucket_mb, *, bf16=False, overlap=False, adamw_lr=None,
+                     offload_optimizer=False):
+    """DeepSpeed's config for one stage, with the same bucket size as every other engine: the one
+    place the peers' DeepSpeed runs are configured (this bench, and gpu/ on a GPU box).
 
-    zerolab's bucket_mb counts MiB of fp32 (the dtype communicated here); DeepSpeed's bucket
-    sizes count ELEMENTS, and default to 5e8 (reduce_bucket_size, allgather_bucket_size) and 5e7
-    (stage3_prefetch_bucket_size): buffers of gigabytes, sized for GPUs, which would swamp the
-    memory column of a model of a few MB (deepspeed/runtime/zero/config.py).
+    bucket_mb counts MiB of the dtype communicated (fp32, or bf16 with bf16=True); DeepSpeed's
+    bucket sizes count ELEMENTS, and default to 5e8 (reduce_bucket_size, allgather_bucket_size)
+    and 5e7 (stage3_prefetch_bucket_size): buffers of gigabytes, sized for GPUs, which would swamp
+    the memory column of a model of a few MB (deepspeed/runtime/zero/config.py). bucket_mb=None
+    keeps DeepSpeed's defaults. overlap: its GPU fast path (overlap_comm, contiguous_gradients).
+    adamw_lr: DeepSpeed builds its own AdamW (its fused kernel on a GPU) instead of the script's.
+    offload_optimizer: ZeRO-Offload, the optimizer's state and step on the host (pinned).
     """
-    elements = max(1, int(bucket_mb * 2 ** 20 / 4))
-    zero = {"stage": stage, "reduce_bucket_size": elements}
-    if stage in (1, 2):
-        zero["allgather_bucket_size"] = elements        # the parameter all-gather after the step
+    zero = {"stage": stage}
+    if bucket_mb is not None:
+        elements = max(1, int(bucket_mb * 2 ** 20 / (2 if bf16 else 4)))
+        zero["reduce_bucket_size"] = elements
+        if stage in (1, 2) or overlap:
+            zero["allgather_bucket_size"] = elements        # the parameter all-gather after the step
+        if stage == 3 and not overlap:
+            zero["stage3_prefetch_bucket_size"] = elements  # stage 3 gathers by this one instead
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if overlap:
+        zero.update(overlap_comm=True, contiguous_gradients=True)
+    config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
+              "steps_per_print": 10 ** 9}
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    if adamw_lr is None:
+        config["zero_allow_untested_optimizer"] = True     # the script's own torch.optim.AdamW
     else:
-        zero["stage3_prefetch_bucket_size"] = elements  # stage 3 gathers by this one instead
-    return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
-            "zero_optimization": zero, "steps_per_print": 10 ** 9, "zero_allow_untested_optimizer": True}
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": adamw_lr}}
+    config["zero_optimization"] = zero
+    return config
 
 
 def quiet_deepspeed():

@@ -18,7 +18,7 @@ from .reader import METADATA, CheckpointError, Reader, _check_path  # noqa: F401
 from .writer import check_save_dir
 from .validate import check_fits
 from ..engines.base import Engine
-from ..engines.setup import _described_by, compare_rows
+from ..engines.setup import described_by, compare_rows
 
 
 # ------------------------------------------------------------------ what each engine owns
@@ -247,7 +247,7 @@ def _check_same_checkpoint(engine, path, reader, problem) -> None:
         group = _group(engine)
         ranks = (torch.distributed.get_process_group_ranks(group) if group is not None
                  else list(range(torch.distributed.get_world_size())))
-        said = [f"rank {r}: {_described_by(row[0], r, engine.comm)}" for r in ranks[:16]]
+        said = [f"rank {r}: {described_by(row[0], r, engine.comm)}" for r in ranks[:16]]
         more = f"; and {len(ranks) - 16} more ranks" if len(ranks) > 16 else ""
         raise CheckpointError(f"checkpoint.load: the ranks were given different checkpoints: {'; '.join(said)}{more}. "
                               "Every rank must load the same checkpoint (one directory all ranks share); "

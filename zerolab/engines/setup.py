@@ -89,13 +89,13 @@ def compare_rows(rows: list, ledger: Ledger, src: int, what) -> None:
     ledger.all_reduce(who, op="min", tag="setup")     # the first rank that differs at row i
     who = int(who.item())
     here = rows[i][0] if i < len(rows) else "(nothing)"
-    theirs, ours = (_described_by(here, r, ledger) for r in (who, src))
+    theirs, ours = (described_by(here, r, ledger) for r in (who, src))
     raise ValueError(f"the ranks' {what(i)} differ: #{i} is {theirs} on rank {who}, {ours} on rank "
                      f"{src}. Every rank must build the same model and engine, with the same "
                      "options, and plan the same run.")
 
 
-def _described_by(text: str, src: int, ledger: Ledger) -> str:
+def described_by(text: str, src: int, ledger: Ledger) -> str:
     """Rank src's `text`, on every rank (at most 160 bytes)."""
     buf = torch.zeros(160, dtype=torch.uint8)
     raw = text.encode()[:160]

@@ -57,15 +57,15 @@ class RingLedger(Ledger):
 
 # the solution: the library's own ring (zerolab.theory.collectives), under the lab's names
 def library_exchange(ledger, send, recv, r, n):
-    collectives._exchange(ledger, send, recv, r, n, tag="ring")
+    collectives.exchange(ledger, send, recv, r, n, tag="ring")
 
 
 def library_reduce_scatter_chunks(chunks, ledger, r, n):
-    collectives._reduce_scatter_chunks(chunks, ledger, r, n, tag="ring")
+    collectives.reduce_scatter_chunks(chunks, ledger, r, n, tag="ring")
 
 
 def library_all_gather_chunks(chunks, ledger, r, n):
-    collectives._all_gather_chunks(chunks, ledger, r, n, tag="ring")
+    collectives.all_gather_chunks(chunks, ledger, r, n, tag="ring")
 
 
 def library_ring_all_reduce(tensor, ledger):

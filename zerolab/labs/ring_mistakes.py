@@ -23,7 +23,7 @@ def runs_backwards(ledger, send, recv, r, n):
 
 
 def _exchange(ledger, send, recv, r, n):
-    from ..theory.collectives import _exchange as library
+    from ..theory.collectives import exchange as library
     library(ledger, send, recv, r, n, "ring")
 
 
@@ -58,9 +58,9 @@ def gathers_into_the_wrong_chunk(chunks, ledger, r, n):
 
 
 def forgets_the_all_gather(tensor, ledger):
-    from ..theory.collectives import _reduce_scatter_chunks, _ring
-    ledger, r, n = _ring(ledger)
-    _reduce_scatter_chunks(list(torch.tensor_split(tensor.view(-1), n)), ledger, r, n, "ring")
+    from ..theory.collectives import reduce_scatter_chunks, ring_position
+    ledger, r, n = ring_position(ledger)
+    reduce_scatter_chunks(list(torch.tensor_split(tensor.view(-1), n)), ledger, r, n, "ring")
 
 
 def sends_everything_to_everyone(tensor, ledger):

@@ -27,7 +27,8 @@ import torch
 import torch.nn as nn
 
 # the library's code: its seams are the reference
-from ..engines.zero3.units import Unit, _mark_released, _storage_alloc, _storage_free
+from ..engines.zero3 import units as library_units
+from ..engines.zero3.units import Unit
 from ..engines.zero3 import ZeRO3
 from ..engines.zero3.schedule import UnitSchedule
 from .checks import Piece, adam_state_bytes, check_collectives, check_parity, fmt_bytes, per_step
@@ -53,7 +54,7 @@ def storage_alloc(t: torch.Tensor) -> None:
     view of it (the unit's parameters) can be read again, but the values are garbage until
     something writes them (gather into it). Nothing happens if t has its memory. Example:
     storage_alloc(self.full["train"])."""
-    _storage_alloc(t)
+    library_units.storage_alloc(t)
 
 
 def mark_released(params, released: bool) -> None:
@@ -62,7 +63,7 @@ def mark_released(params, released: bool) -> None:
     but any operation that reads its values (print(p), p + 1, a forward outside the engine) raises
     an error that says where the values are, instead of reading memory that storage_free gave
     back. Marking twice is harmless. Example: mark_released(self.params, True)."""
-    _mark_released(params, released)
+    library_units.mark_released(params, released)
 
 
 def storage_free(t: torch.Tensor) -> None:
@@ -80,7 +81,7 @@ def storage_free(t: torch.Tensor) -> None:
                    "It happens to a prefetch nobody used (here: a unit gathered ahead, then released before a "
                    "step).", "release() first finishes a gather still in flight (waits for its handles), and only "
                    "then frees the buffer.")
-    _storage_free(t)
+    library_units.storage_free(t)
 
 
 def _allocated(t: torch.Tensor) -> bool:

@@ -26,7 +26,9 @@ import torch.distributed as dist
 from ..comm import Ledger
 
 
-def _ring(ledger: Ledger | None):
+def ring_position(ledger: Ledger | None):
+    """(the ledger, this rank's place r in the ring, the ring's size n): the ledger's group, or
+    the default group through a new Ledger when none is given."""
     ledger = Ledger() if ledger is None else ledger
     n = dist.get_world_size(ledger.group) if dist.is_initialized() else 1
     r = dist.get_rank(ledger.group) if dist.is_initialized() else 0
@@ -40,7 +42,7 @@ def _global(ledger: Ledger, group_rank: int) -> int:
     return dist.get_global_rank(ledger.group, group_rank)
 
 
-def _exchange(ledger: Ledger, send: torch.Tensor, recv: torch.Tensor, r: int, n: int, tag: str):
+def exchange(ledger: Ledger, send: torch.Tensor, recv: torch.Tensor, r: int, n: int, tag: str):
     """Send `send` to the right neighbour while receiving `recv` from the left one."""
     right, left = _global(ledger, (r + 1) % n), _global(ledger, (r - 1) % n)
     # Post both before waiting on either: if every rank did a blocking send first, a ring of
@@ -59,7 +61,7 @@ def _check_flat(name: str, *tensors):
             raise ValueError(f"{name}: tensors must be contiguous")
 
 
-def _reduce_scatter_chunks(chunks, ledger, r, n, tag, record=None, flat=None):
+def reduce_scatter_chunks(chunks, ledger, r, n, tag, record=None, flat=None):
     """In place: afterwards chunks[r] is the sum over ranks of chunks[r]."""
     scratch = torch.empty_like(chunks[0]) if chunks else None
     for step in range(n - 1):
@@ -67,17 +69,17 @@ def _reduce_scatter_chunks(chunks, ledger, r, n, tag, record=None, flat=None):
         # rank c+1 and gathers one contribution per hop, reaching rank c after N-1 hops.
         send_i, recv_i = (r - step - 1) % n, (r - step - 2) % n
         incoming = scratch[: chunks[recv_i].numel()]
-        _exchange(ledger, chunks[send_i], incoming, r, n, tag)
+        exchange(ledger, chunks[send_i], incoming, r, n, tag)
         chunks[recv_i].add_(incoming)
         _note(record, flat, "reduce-scatter", step, send_i, recv_i)
 
 
-def _all_gather_chunks(chunks, ledger, r, n, tag, record=None, flat=None):
+def all_gather_chunks(chunks, ledger, r, n, tag, record=None, flat=None):
     """In place: rank r starts with the true chunks[r]; afterwards every chunk is true."""
     for step in range(n - 1):
         # Step s: pass on chunk r-s (our own at first, then the one we just received).
         send_i, recv_i = (r - step) % n, (r - step - 1) % n
-        _exchange(ledger, chunks[send_i], chunks[recv_i], r, n, tag)
+        exchange(ledger, chunks[send_i], chunks[recv_i], r, n, tag)
         _note(record, flat, "all-gather", step, send_i, recv_i)
 
 
@@ -95,13 +97,13 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, ledger: Ledge
     `input` is left untouched; the work happens in a copy.
     """
     _check_flat("ring_reduce_scatter", output, input)
-    ledger, r, n = _ring(ledger)
+    ledger, r, n = ring_position(ledger)
     if input.numel() != output.numel() * n:
         raise ValueError(f"ring_reduce_scatter: input has {input.numel()} elements; it must be "
                          f"output ({output.numel()}) times the world size ({n})")
     work = input.detach().reshape(-1).clone()
     chunks = list(torch.tensor_split(work, n))
-    _reduce_scatter_chunks(chunks, ledger, r, n, "ring_reduce_scatter", record, work)
+    reduce_scatter_chunks(chunks, ledger, r, n, "ring_reduce_scatter", record, work)
     output.copy_(chunks[r].view_as(output))
     return output
 
@@ -110,14 +112,14 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, ledger: Ledger | 
                     record: list | None = None) -> torch.Tensor:
     """output <- the concatenation of every rank's `input`, in rank order."""
     _check_flat("ring_all_gather", output, input)
-    ledger, r, n = _ring(ledger)
+    ledger, r, n = ring_position(ledger)
     if output.numel() != input.numel() * n:
         raise ValueError(f"ring_all_gather: output has {output.numel()} elements; it must be "
                          f"input ({input.numel()}) times the world size ({n})")
     flat = output.view(-1)
     chunks = list(torch.tensor_split(flat, n))
     chunks[r].copy_(input.reshape(-1))
-    _all_gather_chunks(chunks, ledger, r, n, "ring_all_gather", record, flat)
+    all_gather_chunks(chunks, ledger, r, n, "ring_all_gather", record, flat)
     return output
 
 
@@ -129,14 +131,14 @@ def ring_all_reduce(tensor: torch.Tensor, ledger: Ledger | None = None,
     rank sends N-1 chunks in each phase, about 2 (N-1)/N of the tensor in all.
     """
     _check_flat("ring_all_reduce", tensor)
-    ledger, r, n = _ring(ledger)
+    ledger, r, n = ring_position(ledger)
     if n == 1:
         return tensor
     flat = tensor.view(-1)
     chunks = list(torch.tensor_split(flat, n))
-    _reduce_scatter_chunks(chunks, ledger, r, n, "ring_all_reduce", record, flat)
+    reduce_scatter_chunks(chunks, ledger, r, n, "ring_all_reduce", record, flat)
     # Now rank r holds the finished chunk r: exactly the starting point of an all-gather.
-    _all_gather_chunks(chunks, ledger, r, n, "ring_all_reduce", record, flat)
+    all_gather_chunks(chunks, ledger, r, n, "ring_all_reduce", record, flat)
     return tensor
 
 
@@ -147,7 +149,7 @@ def naive_reduce(tensor: torch.Tensor, dst: int = 0, ledger: Ledger | None = Non
     Other ranks' tensors are left as they were.
     """
     _check_flat("naive_reduce", tensor)
-    ledger, r, n = _ring(ledger)
+    ledger, r, n = ring_position(ledger)
     if r == dst:
         incoming = torch.empty_like(tensor)
         for src in range(n):

@@ -9,7 +9,7 @@ state; "frozen": the rest) and this rank's shard of each, and carries out its ow
 find_units picks the units (by default the children of the model's largest nn.ModuleList /
 nn.Sequential); zerolab.engines.zero3.engine decides WHEN each unit does what (hooks, prefetch order).
 _InputsGradDone tells it when a unit's backward is over. A released buffer keeps its shape but
-its storage is resized to 0 (_storage_free / _storage_alloc): autograd may hold views of it, so
+its storage is resized to 0 (storage_free / storage_alloc): autograd may hold views of it, so
 the tensor itself must stay. Resizing a storage is not an operation the CPU allocation tracker
 sees, so measure_peak counts it.
 
@@ -187,9 +187,9 @@ class Unit:
             self.shard[kind] = b.data[b.shard(rank)].clone()
             if kind == "train":               # each one's gradient accumulator, taken while its
                 self.accumulators = {id(p): get_gradient_edge(p).node for p in b.params}   # values exist
-            _storage_free(b.data)             # from now on this rank holds only its shard
+            storage_free(b.data)             # from now on this rank holds only its shard
         self.params = [p for b in self.buckets.values() for p in b.params]
-        _mark_released(self.params, True)
+        mark_released(self.params, True)
         if "train" in self.buckets:
             self.master = nn.Parameter(master if mixed else self.shard["train"])
             if not mixed:
@@ -204,7 +204,7 @@ class Unit:
             return
         self.record(self, "gathering", phase)
         for kind, full in self.full.items():
-            _storage_alloc(full)
+            storage_alloc(full)
             if self.route.plain:
                 self.handles[kind] = self.comm.all_gather(full, self.shard[kind], async_op=True,
                                                           tag=f"gather:{self.name}")
@@ -221,7 +221,7 @@ class Unit:
             h.wait()
         self.handles = {}
         self.gathered = True
-        _mark_released(self.params, False)
+        mark_released(self.params, False)
         self.record(self, "gathered", phase)
         return self.comm.now() - t0
 
@@ -236,9 +236,9 @@ class Unit:
             return
         if phase == "forward" and torch.is_grad_enabled():
             self.route.keep_secondary(self, phase)
-        _mark_released(self.params, True)
+        mark_released(self.params, True)
         for full in self.full.values():
-            _storage_free(full)
+            storage_free(full)
         self.gathered = False
         self.record(self, "released", phase)
 
@@ -286,7 +286,7 @@ class ReleasedParameter(nn.Parameter):
     """A ZeRO-3 parameter while its unit is released: 1/N of it is on this rank (in the unit's
     shard), its own storage is 0 bytes. Looking at it is allowed (shape, dtype, device, grad,
     requires_grad, hooks); any operation that reads its values raises instead of reading freed
-    memory. Only Unit changes a parameter's class to this one and back (_mark_released)."""
+    memory. Only Unit changes a parameter's class to this one and back (mark_released)."""
 
     # the methods that look at a tensor without reading its elements
     LOOKS = frozenset({"size", "dim", "numel", "nelement", "element_size", "stride", "storage_offset",
@@ -313,7 +313,7 @@ class ReleasedParameter(nn.Parameter):
             return func(*args, **(kwargs or {}))
 
 
-def _mark_released(params, released: bool) -> None:
+def mark_released(params, released: bool) -> None:
     """Swap the class of plain nn.Parameters (a subclass of Parameter is left as it is)."""
     old, new = (nn.Parameter, ReleasedParameter) if released else (ReleasedParameter, nn.Parameter)
     for p in params:
@@ -364,7 +364,7 @@ class measure_peak(PeakMemory):
         return super().__exit__(*exc)
 
 
-def _storage_free(t: torch.Tensor):
+def storage_free(t: torch.Tensor):
     st = t.untyped_storage()
     if st.nbytes():
         key = (st.device.type, st.device.index, st.data_ptr())
@@ -373,7 +373,7 @@ def _storage_free(t: torch.Tensor):
         _note(-nbytes, key)
 
 
-def _storage_alloc(t: torch.Tensor):
+def storage_alloc(t: torch.Tensor):
     nbytes = t.numel() * t.element_size()
     if t.untyped_storage().nbytes() != nbytes:
         t.untyped_storage().resize_(nbytes)
