@@ -63,6 +63,11 @@ def test_the_clip_refuses_a_local_norm_and_clips_by_the_global_one(seen):
         assert c["bytes"] == 2 * (N - 1) / N * 4               # one all-reduce of one fp32 number
         assert ref.worst(c["weights"], weights) < 1e-6
     assert math.isclose(math.hypot(*locals_), norm, rel_tol=1e-6)   # the shards' norms add in squares
+    # FSDP2 (installed PyTorch): clip_grad_norm_ over DTensor shards returns the global norm; the
+    # norm of a rank's local shards is the failure's number
+    fsdp2 = [r["clip"]["fsdp2"] for r in results]
+    assert all(math.isclose(f["returned"], norm, rel_tol=1e-6) and f["local"] < norm * (1 - 1e-3) for f in fsdp2)
+    assert math.isclose(math.hypot(*(f["local"] for f in fsdp2)), norm, rel_tol=1e-6)
 
 
 def test_token_weighted_loss_matches_one_process_and_the_per_micro_batch_mean_does_not(seen):

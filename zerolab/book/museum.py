@@ -110,7 +110,22 @@ def clip_exhibit() -> dict:
     norm = engine.clip_grad_norm_(0.1)
     sent = engine.comm.bytes(tag="grad_norm") - before
     engine.step()
-    return {"refused": refused, "local": local, "global": norm, "bytes": sent, "weights": _weights(engine)}
+    return {"refused": refused, "local": local, "global": norm, "bytes": sent, "weights": _weights(engine),
+            "fsdp2": _clip_on_fsdp2()}
+
+
+def _clip_on_fsdp2() -> dict:
+    """The same gradient under FSDP2 (each parameter's rows cut over the ranks, DTensor shards):
+    the norm of this rank's local shards, and what torch.nn.utils.clip_grad_norm_ returns."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    model = ref.mlp()
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    model(ref.inputs(0, 0, dist.get_rank())).pow(2).mean().backward()
+    local = float(torch.cat([p.grad.to_local().reshape(-1) for p in model.parameters()]).norm())
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    return {"local": local, "returned": float(norm)}
 
 
 def token_exhibit(engine_kind: str, fixed: bool) -> dict:
