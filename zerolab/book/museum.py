@@ -18,7 +18,6 @@ import re
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 import zerolab as zl
 from zerolab import recorder
@@ -48,6 +47,8 @@ def diverge(root: str):
     2223: ranks with different numbers of batches hang). The flight recorder names the lines of
     train.py that led each rank to the collective where they parted."""
     os.environ[recorder.DIR_ENV] = os.path.join(root, "records")
+    # compiled under its own file name: the recorder names the first frame outside zerolab's
+    # package (the user's script), and this module is inside it
     scope = {"zl": zl, "mlp": ref.mlp, "SGD": SGD, "inputs": ref.inputs, "rank": dist.get_rank()}
     exec(compile(TRAIN_PY, "train.py", "exec"), scope)
     return "never reached"
