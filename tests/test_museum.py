@@ -41,6 +41,12 @@ def test_ranks_that_diverge_are_named_where_they_parted(tmp_path):
     assert parted[1] == ("reduce_scatter 'bucket0'", f"train.py:{backward_line}", "engine.backward(loss)")
 
 
+def test_the_same_divergence_under_torch_ddp_corrupts_silently(seen):
+    results, _ = seen
+    # every all-reduce found a partner: no error, and the two replicas no longer agree
+    assert ref.worst(results[0]["diverge on torch DDP"], results[1]["diverge on torch DDP"]) > 1e-3
+
+
 def test_lamb_steps_whole_tensors_on_every_stage(seen):
     results, _ = seen
     one = ref.lamb_one_process()

@@ -54,6 +54,24 @@ def diverge(root: str):
     return "never reached"
 
 
+def diverge_on_torch_ddp() -> dict:
+    """The same mistake under PyTorch's DistributedDataParallel, where the two ranks' extra
+    micro-batches even out over the run (rank 1's at step 1, rank 0's at step 2): every
+    all-reduce finds a partner, nothing hangs, and each rank averages its gradient with another
+    step's. Returns this rank's weights at the end."""
+    r = dist.get_rank()
+    model = ref.mlp()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = SGD(ddp.parameters())
+    for step in range(3):
+        micro = 3 if (r, step) in ((1, 1), (0, 2)) else 2
+        for m in range(micro):
+            (ddp(ref.inputs(step, m, r)).pow(2).mean() / micro).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 _PARTED = re.compile(r"The ranks' sequences parted at collective #(\d+): rank 0 (.*?) \((\S+?):(\d+)\), "
                      r"rank 1 (.*?) \((\S+?):(\d+)\)\.")
 
@@ -216,7 +234,7 @@ def checkpoint_exhibit(path: str) -> dict:
 
 def run_exhibits(root: str) -> dict:
     """Every exhibit but the hang, in one launch (each builds its own engine)."""
-    return {"lamb": lamb_exhibit(), "clip": clip_exhibit(),
+    return {"diverge on torch DDP": diverge_on_torch_ddp(), "lamb": lamb_exhibit(), "clip": clip_exhibit(),
             "tokens": {(kind, fixed): token_exhibit(kind, fixed)
                        for kind in ("zerolab", "torch DDP") for fixed in (False, True)},
             "twice": twice_exhibit(), "memory": memory_exhibit(),
