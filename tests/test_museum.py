@@ -29,7 +29,7 @@ def seen(tmp_path_factory):
 
 def test_ranks_that_diverge_are_named_where_they_parted(tmp_path):
     with pytest.raises(zl.LaunchError) as info:
-        zl.launch(museum.diverge, N, args=(str(tmp_path),), collective_timeout=20, output="none")
+        zl.launch(museum.diverge, N, args=(str(tmp_path),), collective_timeout=60, output="none")
     message = str(info.value)
     assert "CollectiveMismatch" in message and "did not complete within" not in message, message[-1500:]
     parted = museum.parting(message)

@@ -31,6 +31,7 @@ SGD = functools.partial(torch.optim.SGD, lr=0.1)
 
 TRAIN_PY = """\
 engine = zl.ZeRO(mlp(), SGD, stage=2)
+engine.comm.timeout = 5                                # seconds a collective may wait: a hang is bounded
 for step in range(3):
     micro = 3 if (rank == 1 and step == 1) else 2     # rank 1's share of the data: one more
     for m in range(micro):
