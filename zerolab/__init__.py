@@ -45,6 +45,7 @@ _LAZY = {
     "ZeRO3": ("zerolab.engines.zero3", "ZeRO3"),
     "ShardedOptimizer": ("zerolab.sharded_optimizer", "ShardedOptimizer"),   # ZeRO-1's optimizer half
     "CombinedOptimizer": ("zerolab.combined_optimizer", "CombinedOptimizer"),   # Muon + AdamW as one
+    "count_tokens": ("zerolab.token_loss", "count_tokens"), "token_weighted_loss": ("zerolab.token_loss", "token_weighted_loss"),
 }
 
 

@@ -53,6 +53,12 @@ from .state import flat_segments
 from .naive_ddp import NaiveDDP
 
 
+_LATE = ("a second part of the gradient of a parameter of shape {shape} arrived after its bucket was "
+         "reduced (the parameter is used inside two reentrant activation checkpoints, so its gradient "
+         "arrives once per checkpoint): that part would be lost. Use torch.utils.checkpoint(..., "
+         "use_reentrant=False), or overlap=False (buckets are then reduced after the whole backward).")
+
+
 class DDP(NaiveDDP):
     """Bucketed data parallelism whose all-reduces overlap the backward pass.
 
@@ -142,6 +148,8 @@ class DDP(NaiveDDP):
     def _on_grad_ready(self, p):
         # The hot path: it runs once per parameter per backward, so it does as little as it can.
         b, i, k = self._slot[id(p)]
+        if b < self._next and id(p) in self._counted and self._reducing_now:
+            raise RuntimeError(_LATE.format(shape=tuple(p.shape)))
         self._take(p, b, i, k)
         self._reached[k] = True      # (ZeRO-1 and 2 agree on these; DDP on p.grad itself)
         if not self._reducing_now:

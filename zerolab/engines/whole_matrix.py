@@ -40,10 +40,11 @@ from __future__ import annotations
 import torch
 
 # Optimizers whose update of an element depends on the rest of its tensor (Adafactor's factored
-# moments and relative step size, Muon's orthogonalized matrices), torch's and by family name:
-# a script may bring its own Muon (Keller Jordan's, nanochat's), Shampoo or SOAP.
+# moments and relative step size, Muon's orthogonalized matrices, LAMB's and LARS's per-tensor trust
+# ratio), torch's and by family name: a script may bring its own Muon (Keller Jordan's, nanochat's),
+# Shampoo, SOAP or LAMB.
 WHOLE_TENSOR_OPTIMIZERS = tuple(getattr(torch.optim, n) for n in ("Adafactor", "Muon") if hasattr(torch.optim, n))
-WHOLE_TENSOR_FAMILIES = ("muon", "adafactor", "shampoo", "soap", "dion", "kfac")
+WHOLE_TENSOR_FAMILIES = ("muon", "adafactor", "shampoo", "soap", "dion", "kfac", "lamb", "lars")
 
 
 def needs_whole(kind) -> bool:

@@ -80,7 +80,9 @@ class ZeRO2(ZeRO1):
     def _take(self, p, b, i, k):
         bucket = self.buckets.buckets[b]
         o, n = bucket.offsets[i], bucket.sizes[i]
-        self._buffer(b)[o:o + n].copy_(p.grad.reshape(-1))
+        # add, not copy: a gradient can arrive in parts (a weight shared by two reentrant
+        # activation checkpoints); the buffer starts at zero for every backward
+        self._buffer(b)[o:o + n].add_(p.grad.reshape(-1))
         p.grad = None            # the full gradient is not kept
 
     def _reduce(self, b):
