@@ -36,7 +36,7 @@ import torch.distributed as dist
 import zerolab as zl
 from gpu.common import bf16_matmul_peak, machine
 from gpu.workers import _batch, bench_cfg, compute_device
-from zerolab.bench import deepspeed_config, make_zerolab
+from zerolab.bench import deepspeed_config, fsdp2, make_zerolab, torch_ddp
 from zerolab.models import GPT, flops_per_token, gpt_loss
 
 H100_SXM_BF16_DENSE = 989e12      # NVIDIA H100 datasheet, SXM5, dense (the 1,979 figure is with sparsity)
@@ -64,18 +64,12 @@ def build(name, model, compiled, batch, dev):
         inner = getattr(opt, "optimizer", opt)
         return eng, eng.backward, eng.step, (lambda: None), False, type(inner).__name__
     if name == "PyTorch DDP":
-        from torch.nn.parallel import DistributedDataParallel
-        m = DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB, device_ids=[dev.index])
+        m = torch_ddp(model, BUCKET_MB, dev)
         opt = fused_adamw(m.parameters())
         fwd = torch.compile(m) if compiled else m
         return fwd, (lambda loss: loss.backward()), opt.step, partial(opt.zero_grad, set_to_none=True), True, \
             "AdamW(fused=True), autocast bf16"
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    reshard = name.endswith("True")
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    for block in model.blocks:
-        fully_shard(block, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(model, reshard_after_forward=reshard, mp_policy=mp)
+    model = fsdp2(model, reshard=name.endswith("True"), device_type=dev.type, bf16=True)
     try:
         opt, what = fused_adamw(model.parameters()), "AdamW(fused=True)"
     except Exception as e:  # noqa: BLE001 - a torch without fused DTensor AdamW: its default, said so

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
-from zerolab.bench import deepspeed_config, make_zerolab
+from zerolab.bench import deepspeed_config, fsdp2, make_zerolab, torch_ddp
 from zerolab.data import CharDataset
 from zerolab.models import GPT, GPTConfig, gpt_config, gpt_loss
 
@@ -146,16 +146,10 @@ def _peer(name, model, bucket_mb, dev):
     the API allows): DDP under autocast (its params/grads stay fp32: autocast is PyTorch DDP's
     bf16), FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)."""
     if name == "PyTorch DDP":
-        from torch.nn.parallel import DistributedDataParallel
-        m = DistributedDataParallel(model, bucket_cap_mb=bucket_mb, device_ids=[dev.index] if dev.type == "cuda" else None)
+        m = torch_ddp(model, bucket_mb, dev)
         opt = torch.optim.AdamW(m.parameters(), lr=3e-4)
         return m, opt, True
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    reshard = name.endswith("True")
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    for block in model.blocks:
-        fully_shard(block, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(model, reshard_after_forward=reshard, mp_policy=mp)
+    model = fsdp2(model, reshard=name.endswith("True"), device_type=dev.type, bf16=True)
     return model, torch.optim.AdamW(model.parameters(), lr=3e-4), False
 
 

@@ -47,8 +47,8 @@ Under the table, one line says what zerolab's instruments (the ledger, its fligh
 watchdog) add to each collective, from a measurement of its own (zerolab.bench.overhead).
 """
 
-from .engines import KINDS, ZEROLAB, Runner, build_runners, deepspeed_config, engine_factories, make_zerolab, \
-    quiet_deepspeed
+from .engines import KINDS, ZEROLAB, Runner, build_runners, engine_factories, make_zerolab
+from .peers import deepspeed_config, fsdp2, quiet_deepspeed, torch_ddp, zero_redundancy
 from .report import COUNT_COLUMNS, TIMING_COLUMNS, format_table, summarize, targets
 from .overhead import format_overhead, measure as measure_overhead
 from .run import GPU_NOTE, bench_worker, main, measure_memory, run, written_bytes
@@ -56,4 +56,4 @@ from .run import GPU_NOTE, bench_worker, main, measure_memory, run, written_byte
 __all__ = ["KINDS", "ZEROLAB", "Runner", "build_runners", "deepspeed_config", "engine_factories", "make_zerolab",
            "quiet_deepspeed", "COUNT_COLUMNS", "TIMING_COLUMNS", "format_table", "summarize", "targets",
            "GPU_NOTE", "bench_worker", "main", "measure_memory", "run", "written_bytes", "format_overhead",
-           "measure_overhead"]
+           "measure_overhead", "fsdp2", "torch_ddp", "zero_redundancy"]

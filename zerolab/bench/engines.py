@@ -3,7 +3,8 @@
 * zerolab's, by the names the tables print (ZEROLAB: "zl.DDP", "zl.ZeRO-3 prefetch=0", ...), all
   built by zerolab.engines.make; the GPU scripts (gpu/) use the same names and make_zerolab;
 * PyTorch's DistributedDataParallel, ZeroRedundancyOptimizer beside it, and FSDP2 (fully_shard);
-* DeepSpeed's stages 1-3, when it is installed and starts here.
+* DeepSpeed's stages 1-3, when it is installed and starts here;
+the peers built by zerolab.bench.peers, which the GPU scripts use too.
 
 Each comes as a Runner: a name, a kind (which ZeRO stage it is a peer of), a family, and a
 function that runs one training step.
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from ..engines import make
 from ..models import GPT, gpt_config, gpt_loss
+from .peers import deepspeed_config, fsdp2, quiet_deepspeed, torch_ddp, zero_redundancy
 
 KINDS = ("floor", "DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
 
@@ -63,53 +65,6 @@ def _torch_runner(name, kind, family, model, optimizer):
     return Runner(name, kind, family, step)
 
 
-def deepspeed_config(stage, batch, bucket_mb, *, bf16=False, overlap=False, adamw_lr=None,
-                     offload_optimizer=False):
-    """DeepSpeed's config for one stage, with the same bucket size as every other engine: the one
-    place the peers' DeepSpeed runs are configured (this bench, and gpu/ on a GPU box).
-
-    bucket_mb counts MiB of the dtype communicated (fp32, or bf16 with bf16=True); DeepSpeed's
-    bucket sizes count ELEMENTS, and default to 5e8 (reduce_bucket_size, allgather_bucket_size)
-    and 5e7 (stage3_prefetch_bucket_size): buffers of gigabytes, sized for GPUs, which would swamp
-    the memory column of a model of a few MB (deepspeed/runtime/zero/config.py). bucket_mb=None
-    keeps DeepSpeed's defaults. overlap: its GPU fast path (overlap_comm, contiguous_gradients).
-    adamw_lr: DeepSpeed builds its own AdamW (its fused kernel on a GPU) instead of the script's.
-    offload_optimizer: ZeRO-Offload, the optimizer's state and step on the host (pinned).
-    """
-    zero = {"stage": stage}
-    if bucket_mb is not None:
-        elements = max(1, int(bucket_mb * 2 ** 20 / (2 if bf16 else 4)))
-        zero["reduce_bucket_size"] = elements
-        if stage in (1, 2) or overlap:
-            zero["allgather_bucket_size"] = elements        # the parameter all-gather after the step
-        if stage == 3 and not overlap:
-            zero["stage3_prefetch_bucket_size"] = elements  # stage 3 gathers by this one instead
-    if offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if overlap:
-        zero.update(overlap_comm=True, contiguous_gradients=True)
-    config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
-              "steps_per_print": 10 ** 9}
-    if bf16:
-        config["bf16"] = {"enabled": True}
-    if adamw_lr is None:
-        config["zero_allow_untested_optimizer"] = True     # the script's own torch.optim.AdamW
-    else:
-        config["optimizer"] = {"type": "AdamW", "params": {"lr": adamw_lr}}
-    config["zero_optimization"] = zero
-    return config
-
-
-def quiet_deepspeed():
-    """DeepSpeed logs to stdout with a timestamp on every line: keep only its errors, so what
-    a run prints is the same from one run to the next."""
-    import logging
-    ds_logger = logging.getLogger("DeepSpeed")
-    ds_logger.setLevel(logging.ERROR)
-    for handler in ds_logger.handlers:
-        handler.setLevel(logging.ERROR)
-
-
 def _deepspeed_factories(make_model, lr, batch, bucket_mb, stages=(1, 2, 3)):
     """DeepSpeed engines when the package is installed and imports here; else (name, reason)."""
     try:
@@ -145,9 +100,6 @@ def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KIND
     unit by unit), PyTorch DDP is compiled around the wrapper (its DDPOptimizer splits the graph
     at the buckets), FSDP2 after fully_shard; DeepSpeed is left out.
     """
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel
     cfg = gpt_config(size)
     opt = partial(torch.optim.AdamW, lr=lr)
 
@@ -171,24 +123,16 @@ def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KIND
         r.family = "floor"
         return r
 
-    def torch_ddp():
-        m = DistributedDataParallel(make_model(), bucket_cap_mb=bucket_mb)
+    def pytorch_ddp():
+        m = torch_ddp(make_model(), bucket_mb)
         return _torch_runner("PyTorch DDP", "DDP", "PyTorch", compiled(m), opt(m.parameters()))
 
-    def zero_redundancy():
-        m = DistributedDataParallel(make_model(), bucket_cap_mb=bucket_mb)
-        zro = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
+    def pytorch_zero1():
+        m, zro = zero_redundancy(make_model(), bucket_mb, lr)
         return _torch_runner("ZeroRedundancyOptimizer", "ZeRO-1", "PyTorch", compiled(m), zro)
 
-    def fsdp2(reshard):   # reshard=False keeps parameters gathered from forward to backward
-        from torch.distributed.device_mesh import init_device_mesh
-        m = make_model()
-        # the models here live on the CPU: say so, or FSDP2's default mesh picks CUDA whenever a
-        # GPU exists and sets device `rank` (which fails for rank 1 on a one-GPU box)
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for block in m.blocks:
-            fully_shard(block, reshard_after_forward=reshard, mesh=mesh)
-        fully_shard(m, reshard_after_forward=reshard, mesh=mesh)
+    def pytorch_fsdp2(reshard):   # reshard=False keeps parameters gathered from forward to backward
+        m = fsdp2(make_model(), reshard, "cpu")
         return _torch_runner(f"FSDP2 reshard={reshard}", f"ZeRO-{2 if not reshard else 3}", "PyTorch",
                              compiled(m), opt(m.parameters()))
 
@@ -201,15 +145,15 @@ def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KIND
 
     out = [("zl.DDP alone", floor)]
     if "DDP" in kinds:
-        out += [("zl.DDP", partial(zl_engine, "zl.DDP")), ("PyTorch DDP", torch_ddp)]
+        out += [("zl.DDP", partial(zl_engine, "zl.DDP")), ("PyTorch DDP", pytorch_ddp)]
     if "ZeRO-1" in kinds:
-        out += [("zl.ZeRO-1", partial(zl_engine, "zl.ZeRO-1")), ("ZeroRedundancyOptimizer", zero_redundancy)]
+        out += [("zl.ZeRO-1", partial(zl_engine, "zl.ZeRO-1")), ("ZeroRedundancyOptimizer", pytorch_zero1)]
     if "ZeRO-2" in kinds:
-        out += [("zl.ZeRO-2", partial(zl_engine, "zl.ZeRO-2")), ("FSDP2 reshard=False", partial(fsdp2, False))]
+        out += [("zl.ZeRO-2", partial(zl_engine, "zl.ZeRO-2")), ("FSDP2 reshard=False", partial(pytorch_fsdp2, False))]
     if "ZeRO-3" in kinds:
         out += [("zl.ZeRO-3", partial(zl_engine, "zl.ZeRO-3")),
                 ("zl.ZeRO-3 prefetch=0", partial(zl_engine, "zl.ZeRO-3 prefetch=0")),
-                ("FSDP2 reshard=True", partial(fsdp2, True))]
+                ("FSDP2 reshard=True", partial(pytorch_fsdp2, True))]
     note = "DeepSpeed: not requested" if not compile_models else "DeepSpeed: left out of the compiled run"
     if deepspeed and not compile_models:
         stages = [s for s in (1, 2, 3) if f"ZeRO-{s}" in kinds]
