@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import random
 import signal
 import socket
 import sys
@@ -132,10 +133,31 @@ def _choose_backend(world_size: int, backend: str | None) -> str:
 
 
 def _free_port(addr: str) -> int:
-    """A port that is free now on `addr` (chosen once, in the parent)."""
+    """A port that is free now on `addr` (chosen once, in the parent), below the range the
+    kernel hands out to outgoing connections when it can: rank 0 binds it a moment later, and
+    a port from that range may meanwhile become the local end of some other connection (gloo
+    opens many), which rank 0's bind would then find in use."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = random.randrange(max(1024, low - 12288), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((addr, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
+        s.bind((addr, 0))               # (every try taken: any free port)
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's range for outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 # --------------------------------------------------------------------- the parent side
