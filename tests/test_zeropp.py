@@ -17,6 +17,10 @@ from zerolab import checkpoint, quantize as qz
 from zerolab.data import CharDataset
 from zerolab.models import GPT, gpt_config, gpt_loss
 
+# the names this torch gives its single-tensor collectives (as zerolab.comm picks them)
+ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
 pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
 
 N, G, M = 4, 2, 2              # ranks, ranks per node, nodes
@@ -63,11 +67,19 @@ def run_fsdp2_hsdp(rank):
     def recording(fn, op):
         def call(*args, **kwargs):
             # the full tensor: all-gather's output, reduce-scatter's input, all-reduce's tensor
-            t = kwargs["input"] if op == "reduce_scatter" else args[0]
+            # (by keyword or by position: torch's releases name them differently)
+            if op == "reduce_scatter":
+                t = kwargs["input"] if "input" in kwargs else args[1]
+            elif op == "all_gather":
+                t = kwargs.get("output_tensor", kwargs.get("output", args[0] if args else None))
+            else:
+                t = kwargs["tensor"] if "tensor" in kwargs else args[0]
             seen.append((op, t.numel() * t.element_size(), dist.get_world_size(kwargs.get("group"))))
             return fn(*args, **kwargs)
         return call
-    saved = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single", "all_reduce")}
+    # FSDP2 calls all_gather_single and reduce_scatter_single since torch 2.13, the *_tensor names before
+    names = (ALL_GATHER, REDUCE_SCATTER, "all_reduce")
+    saved = {name: getattr(dist, name) for name in names}
     mesh = init_device_mesh("cpu", (M, G), mesh_dim_names=("replicate", "shard"))
     net = model()
     for block in net.blocks:
@@ -283,7 +295,7 @@ def collectives_alone():
     approx = u.full["train"].clone()
     u.release("step")
     exact = torch.empty_like(approx)
-    dist.all_gather_single(exact, u.shard["train"])
+    getattr(dist, ALL_GATHER)(exact, u.shard["train"])
     # a gradient with very different magnitudes per rank and per block
     torch.manual_seed(100 + rank)
     grad = torch.randn(u.buckets["train"].padded_numel) * (1 + 10 * rank)
