@@ -177,7 +177,7 @@ def targets(s) -> list[tuple[str, bool | None]]:
         if r["family"] == "zerolab" and r["vs_peer"] is not None:
             lo, hi = r["vs_peer_spread"]
             out.append((f"{r['engine']} step time <= best peer ({r['best_peer']}): {r['vs_peer']:.2f} "
-                        f"(repetitions {lo:.2f}-{hi:.2f})", verdict(r["vs_peer_spread"], reps)))
+                        f"(rounds {lo:.2f}-{hi:.2f})", verdict(r["vs_peer_spread"], reps)))
             least = rows.get(r["least_peer"])
             if r["kind"] in MEMORY_TARGET_KINDS and least is not None:
                 out.append((f"{r['engine']} peak memory <= least peer ({least['engine']}): "
@@ -186,6 +186,6 @@ def targets(s) -> list[tuple[str, bool | None]]:
             lo, hi = r["vs_zerolab_spread"]
             at_most = verdict(r["vs_zerolab_spread"], reps)   # faster with prefetch: the ratio is above 1
             out.append((f"zl.ZeRO-3 faster with prefetch than {r['engine']}: {r['engine']} takes "
-                        f"{r['vs_zerolab']:.2f}x as long (repetitions {lo:.2f}-{hi:.2f})",
+                        f"{r['vs_zerolab']:.2f}x as long (rounds {lo:.2f}-{hi:.2f})",
                         None if at_most is None else not at_most))
     return out
