@@ -45,7 +45,9 @@ What each column measures:
                the step: everything the engine allocated since it was built (model, optimizer
                state, gradients, communication buffers, activations), counted by malloc
                after every op (zerolab.memory.MallocTrace). Each engine is built alone for
-               this, in the last repetition, so no engine's memory is counted for another.
+               this, in the last round, so no engine's memory is counted for another. A
+               "[PyTorch loop]" row shows its engine's memory measured through zerolab's loop
+               (the same storages and the same step; measured once to keep the run short)
   bytes/step   bytes this rank wrote to gloo's sockets during one step, read from the
                operating system (/proc/self/io), so it is measured the same way for every engine
   ledger       zerolab only: the bytes its ledger books for the step under the ring model
