@@ -18,9 +18,11 @@ def summary():
 
 def test_every_engine_is_in_the_table(summary):
     names = [r["engine"] for r in summary["rows"]]
-    assert names == ["zl.DDP alone", "zl.DDP", "PyTorch DDP", "zl.ZeRO-1", "ZeroRedundancyOptimizer",
-                     "zl.ZeRO-2", "FSDP2 reshard=False", "zl.ZeRO-3", "zl.ZeRO-3 prefetch=0",
-                     "FSDP2 reshard=True"]
+    loop = bench.pytorch_loop_name
+    assert names == ["local", "zl.DDP", loop("zl.DDP"), "PyTorch DDP",
+                     "zl.ZeRO-1", loop("zl.ZeRO-1"), "ZeroRedundancyOptimizer",
+                     "zl.ZeRO-2", loop("zl.ZeRO-2"), "FSDP2 reshard=False",
+                     "zl.ZeRO-3", loop("zl.ZeRO-3"), "zl.ZeRO-3 prefetch=0", "FSDP2 reshard=True"]
     table = bench.format_table(summary)
     assert all(n in table for n in names)
     for r in summary["rows"]:   # every zerolab engine is compared with a peer of its kind
@@ -54,19 +56,23 @@ def test_bad_arguments_are_refused_before_any_process_starts():
         bench.run("nano", world_size=0)
     with pytest.raises(ValueError, match="floor"):
         bench.run("nano", kinds=("DDP",))
+    with pytest.raises(ValueError, match="rounds"):
+        bench.run("nano", rounds=0)
+    with pytest.raises(ValueError, match="loops"):
+        bench.run("nano", loops=("keras",))
 
 
 @pytest.mark.skipif(memory.malloc_in_use() is None, reason="needs glibc's mallinfo2")
 def test_memory_columns_order_the_engines_as_the_paper_does(summary):
-    # Between steps (fp32 AdamW): zl.DDP, and the floor (zl.DDP alone), hold params, 2 moments
-    # and their flat gradient buckets (16 psi bytes); ZeRO-1 shards the moments and frees
-    # gradients between steps (8 psi at N=2). malloc also counts ~100 kB of Python objects and
+    # Between steps (fp32 AdamW): zl.DDP holds params, 2 moments and its flat gradient buckets
+    # (16 psi bytes), the floor (the plain model and AdamW) params and 2 moments (12 psi);
+    # ZeRO-1 shards the moments and frees gradients between steps (8 psi at N=2). malloc also counts ~100 kB of Python objects and
     # gloo scratch per engine, so on the nano model only the order is asserted;
     # zerolab.memory's tests check exact sizes.
     held = {r["engine"]: r["held"] for r in summary["rows"]}
-    # the step of 8 psi bytes (260 kB on nano) stands well above malloc's noise; ZeRO-3's 2 psi
-    # below ZeRO-1 does not, so it is not asserted here
-    assert held["zl.ZeRO-1"] < held["zl.DDP alone"]
+    # the steps of 4 and 8 psi bytes (130 and 260 kB on nano) stand above malloc's noise;
+    # ZeRO-3's 2 psi below ZeRO-1 does not, so it is not asserted here
+    assert held["zl.ZeRO-1"] < held["local"]
     assert held["zl.ZeRO-1"] < held["zl.DDP"]
     for r in summary["rows"]:
         assert r["peak"] >= r["held"] > 0, r["engine"]
@@ -160,3 +166,96 @@ def test_the_gpu_runs_deepspeed_configs_come_from_the_same_place():
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
         "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
                               "overlap_comm": True, "contiguous_gradients": True}}
+
+
+@pytest.fixture(scope="module")
+def two_rounds():
+    # cheap: the floor and the DDP kind only, two rounds (fresh processes each) of two steps
+    return bench.run("nano", world_size=2, batch=2, bucket_mb=1.0, rounds=2, warmup=1, steps=2,
+                     deepspeed=False, kinds=("floor", "DDP"), memory=False, log=None)
+
+
+def _median(xs):
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def test_rounds_interleave_every_engine_through_both_loops(two_rounds):
+    s = two_rounds
+    assert s["rounds"] == 2 and len(s["results"]) == 2
+    rows = {r["engine"]: r for r in s["rows"]}
+    assert list(rows) == ["local", "zl.DDP", "zl.DDP [PyTorch loop]", "PyTorch DDP"]
+    assert [rows[n]["loop"] for n in rows] == ["PyTorch", "zerolab", "PyTorch", "PyTorch"]
+    assert rows["local"]["family"] == "floor" and rows["local"]["ledger"] is None
+    # every round timed every engine on every step, on every rank (interleaved: same processes)
+    for res in s["results"]:
+        assert len(res) == 2
+        for rank in res:
+            assert all(len(rank["times"][n]) == 2 for n in rows)
+    # the floor row is in both halves of the table, and the loop is a column
+    for columns in (bench.TIMING_COLUMNS, bench.COUNT_COLUMNS):
+        assert "| local | floor |" in bench.format_table(s, columns)
+    assert "| zl.DDP [PyTorch loop] | DDP | PyTorch |" in bench.format_table(s, bench.TIMING_COLUMNS)
+    # both loops of zl.DDP train like PyTorch DDP (the independent reference)
+    assert abs(rows["zl.DDP [PyTorch loop]"]["loss"] - rows["PyTorch DDP"]["loss"]) < 1e-4
+    assert rows["zl.DDP [PyTorch loop]"]["ledger"] == rows["zl.DDP"]["ledger"]
+
+
+def test_ratios_are_the_same_runs_medians(two_rounds):
+    # recomputed here from what the ranks measured: per round, each step lasts until its slowest
+    # rank is done; the round's median step of one engine over the other's; then over rounds
+    s = two_rounds
+
+    def round_median(res, name):
+        return _median([max(rank["times"][name][i] for rank in res) for i in range(2)])
+
+    def ratio(a, b):
+        per_round = [round_median(res, a) / round_median(res, b) for res in s["results"]]
+        return _median(per_round), (min(per_round), max(per_round))
+
+    rows = {r["engine"]: r for r in s["rows"]}
+    for name in ("zl.DDP", "zl.DDP [PyTorch loop]"):
+        r = rows[name]
+        assert r["best_peer"] == "PyTorch DDP"
+        value, spread = ratio(name, "PyTorch DDP")
+        assert r["vs_peer"] == pytest.approx(value, rel=1e-12)
+        assert r["vs_peer_spread"] == pytest.approx(spread, rel=1e-12)
+        value, spread = ratio(name, "local")
+        assert r["vs_floor"] == pytest.approx(value, rel=1e-12)
+        assert r["vs_floor_spread"] == pytest.approx(spread, rel=1e-12)
+    for name in rows:
+        all_steps = [max(rank["times"][name][i] for rank in res) for res in s["results"] for i in range(2)]
+        assert rows[name]["ms"] == pytest.approx(1e3 * _median(all_steps), rel=1e-12)
+    text = bench.format_ratios(s)
+    for name in ("zl.DDP", "zl.DDP [PyTorch loop]"):
+        r = rows[name]
+        assert f"{name:<32} {r['vs_peer']:.2f} " in text and f" x PyTorch DDP;  {r['vs_floor']:.2f} " in text
+
+
+def test_the_command_line_takes_rounds_and_prints_the_ratios_last(monkeypatch, capsys):
+    import importlib
+    run_module = importlib.import_module("zerolab.bench.run")
+    calls = []
+    times = [{"floor": [1.0, 1.0], "zl.DDP": [2.0, 2.0], "PyTorch DDP": [1.0, 1.0]},
+             {"floor": [1.0, 1.0], "zl.DDP": [1.5, 1.5], "PyTorch DDP": [1.0, 1.0]}]
+
+    def fake_run(size, world_size, batch, bucket_mb, reps, warmup, steps, **kw):
+        calls.append((reps, steps, kw["loops"]))
+        s = bench.summarize(_fake_results(times), steps=2)
+        s.update(size=size, world_size=world_size, batch=batch)
+        return s
+
+    monkeypatch.setattr(run_module, "run", fake_run)
+    monkeypatch.setattr(run_module, "measure_overhead", lambda *a, **k: None)
+    monkeypatch.setattr(run_module, "format_overhead", lambda m: "overhead")
+    run_module.main(["--size", "nano", "--rounds", "2", "--quick"])
+    run_module.main(["--size", "nano", "--quick", "--zerolab-loop-only"])
+    assert calls == [(2, 6, bench.LOOPS), (1, 6, ("zerolab",))]   # --quick keeps the rounds asked for
+    out = capsys.readouterr().out.strip().splitlines()
+    # the last lines: zl.DDP over PyTorch DDP (median of the rounds' 2.0 and 1.5) and the floor
+    assert out[-1].split() == ["zl.DDP", "1.75", "(1.50–2.00)", "x", "PyTorch", "DDP;", "1.75", "(1.50–2.00)",
+                               "x", "floor"]
+    assert out[-2].startswith("zerolab over its best peer")
+    with pytest.raises(SystemExit):
+        run_module.main(["--rounds", "0"])

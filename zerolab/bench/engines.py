@@ -6,8 +6,11 @@
 * DeepSpeed's stages 1-3, when it is installed and starts here;
 the peers built by zerolab.bench.peers, which the GPU scripts use too.
 
-Each comes as a Runner: a name, a kind (which ZeRO stage it is a peer of), a family, and a
-function that runs one training step.
+Each comes as a Runner: a name, a kind (which ZeRO stage it is a peer of), a family, the loop
+that drives it, and a function that runs one training step. Every zerolab engine is driven twice,
+each copy on its own model: through zerolab's loop (`engine.backward(loss); engine.step();
+engine.zero_grad()`) under its own name, and through PyTorch's (`loss.backward();
+optimizer.step(); optimizer.zero_grad()`, what a PyTorch user's script does) as "NAME [PyTorch loop]".
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ import os
 from functools import partial
 
 import torch
-import torch.distributed as dist
 
 from ..engines import make
 from ..models import GPT, gpt_config, gpt_loss
 from .peers import deepspeed_config, fsdp2, quiet_deepspeed, torch_ddp, zero_redundancy
 
 KINDS = ("floor", "DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+LOOPS = ("zerolab", "PyTorch")   # the loops that drive zerolab's engines
+FLOOR = "local"                  # the floor's row: the same per-rank work, nothing sent
 
 # zerolab's engines by the name the tables print: (zerolab.engines.make's name, its options)
 ZEROLAB = {"zl.SingleProcess": ("single", {}), "zl.DDP": ("ddp", {}), "zl.ZeRO-1": ("zero1", {}),
@@ -40,19 +44,32 @@ def make_zerolab(name, model, optimizer, **options):
 class Runner:
     """One engine: what it is, and a function that runs one training step (returns the loss)."""
 
-    def __init__(self, name, kind, family, step, comm=None):
+    def __init__(self, name, kind, family, step, comm=None, loop="PyTorch"):
         self.name, self.kind, self.family = name, kind, family
-        self.step, self.comm = step, comm
+        self.step, self.comm, self.loop = step, comm, loop
 
 
-def _zl_runner(name, kind, engine):
-    def step(batch):
-        _, loss = gpt_loss(engine, batch)
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        return loss.item()
-    return Runner(name, kind, "zerolab", step, engine.comm)
+def pytorch_loop_name(name):
+    """The row of zerolab engine `name` driven through PyTorch's loop."""
+    return f"{name} [PyTorch loop]"
+
+
+def _zl_runner(name, kind, engine, loop="zerolab"):
+    if loop == "zerolab":
+        def step(batch):
+            _, loss = gpt_loss(engine, batch)
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+            return loss.item()
+    else:   # what a PyTorch script runs: the engine's hooks do the rest
+        def step(batch):
+            _, loss = gpt_loss(engine, batch)
+            loss.backward()
+            engine.optimizer.step()
+            engine.optimizer.zero_grad()
+            return loss.item()
+    return Runner(name, kind, "zerolab", step, engine.comm, loop)
 
 
 def _torch_runner(name, kind, family, model, optimizer):
@@ -85,12 +102,13 @@ def _deepspeed_factories(make_model, lr, batch, bucket_mb, stages=(1, 2, 3)):
             eng.backward(loss)
             eng.step()
             return loss.item()
-        return Runner(f"DeepSpeed ZeRO-{stage}", f"ZeRO-{stage}", "DeepSpeed", step)
+        return Runner(f"DeepSpeed ZeRO-{stage}", f"ZeRO-{stage}", "DeepSpeed", step, loop="DeepSpeed")
     return [(f"DeepSpeed ZeRO-{s}", partial(make_stage, s)) for s in stages], "DeepSpeed: ran stages " + \
         ", ".join(str(s) for s in stages) + f" with buckets of {bucket_mb:g} MB like the other engines"
 
 
-def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KINDS, compile_models=False):
+def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KINDS, compile_models=False,
+                     loops=LOOPS):
     """[(name, make)] for every engine of the table, and a note on DeepSpeed.
 
     Each factory builds the engine on its own copy of the same initial model and returns its Runner.
@@ -98,7 +116,8 @@ def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KIND
     allocations are counted alone. compile_models: each side's torch.compile, the way its users
     apply it: zerolab's engines take the model compiled before wrapping (ZeRO-3 then compiles it
     unit by unit), PyTorch DDP is compiled around the wrapper (its DDPOptimizer splits the graph
-    at the buckets), FSDP2 after fully_shard; DeepSpeed is left out.
+    at the buckets), FSDP2 after fully_shard; DeepSpeed is left out. loops: the loops that drive
+    zerolab's engines (LOOPS; the ablation zl.ZeRO-3 prefetch=0 runs through zerolab's only).
     """
     cfg = gpt_config(size)
     opt = partial(torch.optim.AdamW, lr=lr)
@@ -114,14 +133,12 @@ def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KIND
         return compiled(make_model())
 
     def floor():
-        # zl.DDP over a data-parallel group of one rank: the same buckets and flat optimizer as
-        # every zerolab engine, nothing sent. No engine does less work, so none can beat it.
-        from ..mesh import Mesh
-        alone = Mesh(dp=1, mp=dist.get_world_size())
-        r = _zl_runner("zl.DDP alone", "floor", make_zerolab("zl.DDP", zl_model(), opt, bucket_mb=bucket_mb, mesh=alone,
-                                                     track_peak=False, track_activations=False))
-        r.family = "floor"
-        return r
+        # The per-rank work every data-parallel engine must do, and nothing else: the plain model
+        # and AdamW on this rank's batch, through PyTorch's loop, no wrapper, nothing sent. Its
+        # AdamW takes the foreach path, as zerolab's engines ask for (the peers keep PyTorch's
+        # default, the per-parameter loop on a CPU). What an engine adds to it is the engine.
+        m = compiled(make_model())
+        return _torch_runner(FLOOR, "floor", "floor", m, opt(m.parameters(), foreach=True))
 
     def pytorch_ddp():
         m = torch_ddp(make_model(), bucket_mb)
@@ -136,24 +153,31 @@ def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KIND
         return _torch_runner(f"FSDP2 reshard={reshard}", f"ZeRO-{2 if not reshard else 3}", "PyTorch",
                              compiled(m), opt(m.parameters()))
 
-    def zl_engine(name):
+    def zl_engine(name, loop="zerolab"):
         kind = "DDP" if name == "zl.DDP" else name[3:9]
-        r = _zl_runner(name, kind, make_zerolab(name, zl_model(), opt, bucket_mb=bucket_mb, track_peak=False))
+        r = _zl_runner(name if loop == "zerolab" else pytorch_loop_name(name), kind,
+                       make_zerolab(name, zl_model(), opt, bucket_mb=bucket_mb, track_peak=False), loop)
         if ZEROLAB[name][1]:
             r.family = "ablation"   # zerolab with a feature off: compared with zerolab, not peers
         return r
 
-    out = [("zl.DDP alone", floor)]
+    def zl_rows(name):
+        return [(name if loop == "zerolab" else pytorch_loop_name(name), partial(zl_engine, name, loop))
+                for loop in loops]
+
+    bad = [loop for loop in loops if loop not in LOOPS]
+    if bad or not loops:
+        raise ValueError(f"loops must name one or more of {LOOPS}; got {tuple(loops)!r}")
+    out = [(FLOOR, floor)]
     if "DDP" in kinds:
-        out += [("zl.DDP", partial(zl_engine, "zl.DDP")), ("PyTorch DDP", pytorch_ddp)]
+        out += zl_rows("zl.DDP") + [("PyTorch DDP", pytorch_ddp)]
     if "ZeRO-1" in kinds:
-        out += [("zl.ZeRO-1", partial(zl_engine, "zl.ZeRO-1")), ("ZeroRedundancyOptimizer", pytorch_zero1)]
+        out += zl_rows("zl.ZeRO-1") + [("ZeroRedundancyOptimizer", pytorch_zero1)]
     if "ZeRO-2" in kinds:
-        out += [("zl.ZeRO-2", partial(zl_engine, "zl.ZeRO-2")), ("FSDP2 reshard=False", partial(pytorch_fsdp2, False))]
+        out += zl_rows("zl.ZeRO-2") + [("FSDP2 reshard=False", partial(pytorch_fsdp2, False))]
     if "ZeRO-3" in kinds:
-        out += [("zl.ZeRO-3", partial(zl_engine, "zl.ZeRO-3")),
-                ("zl.ZeRO-3 prefetch=0", partial(zl_engine, "zl.ZeRO-3 prefetch=0")),
-                ("FSDP2 reshard=True", partial(pytorch_fsdp2, True))]
+        out += zl_rows("zl.ZeRO-3") + [("zl.ZeRO-3 prefetch=0", partial(zl_engine, "zl.ZeRO-3 prefetch=0")),
+                                       ("FSDP2 reshard=True", partial(pytorch_fsdp2, True))]
     note = "DeepSpeed: not requested" if not compile_models else "DeepSpeed: left out of the compiled run"
     if deepspeed and not compile_models:
         stages = [s for s in (1, 2, 3) if f"ZeRO-{s}" in kinds]
@@ -162,9 +186,10 @@ def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KIND
     return out, note
 
 
-def build_runners(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KINDS, compile_models=False):
+def build_runners(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KINDS, compile_models=False,
+                  loops=LOOPS):
     """Every engine of the table, each on its own copy of the same initial model."""
-    factories, note = engine_factories(size, batch, bucket_mb, lr, deepspeed, kinds, compile_models)
+    factories, note = engine_factories(size, batch, bucket_mb, lr, deepspeed, kinds, compile_models, loops)
     runners = []
     for name, build in factories:
         if name.startswith("DeepSpeed") and note.startswith("DeepSpeed: not run"):

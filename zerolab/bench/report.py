@@ -4,11 +4,14 @@ zerolab.bench runs the engines and collects, per repetition and rank, every step
 memory and bytes measured, and the final loss; this module turns that into what is printed:
 
     summarize(results, steps)   rows: median step time, ratios against the floor and the fastest
-                                peer of the same kind (medians of per-step ratios), memory, bytes;
-                                and for every timing its spread: the lowest and highest of the
-                                per-repetition medians (each repetition runs in fresh processes)
+                                peer of the same kind (per round, the ratio of the two engines'
+                                median steps; the median of those over rounds), memory, bytes;
+                                and for every timing its spread: the lowest and highest round
+                                (each round runs in fresh processes, every engine interleaved)
     format_table(summary)       the Markdown table `python -m zerolab bench` prints (or one half of
                                 it: TIMING_COLUMNS, COUNT_COLUMNS)
+    format_ratios(summary)      what it prints last: each zerolab engine, through each loop, over
+                                the best peer of its kind and over the floor
     targets(summary)            the targets zerolab holds itself to: met, missed, or within the
                                 run-to-run spread (a timing difference smaller than the spread
                                 between repetitions is not a finding)
@@ -39,16 +42,17 @@ def summarize(results, steps):
         return [t for rep in times[nm] for t in rep]
 
     def pair(a, b):
-        """Median over all steps of a's step / b's step, and the spread of its per-rep medians."""
-        per_rep = [statistics.median(x / y for x, y in zip(ta, tb)) for ta, tb in zip(times[a], times[b])]
-        return statistics.median(x / y for x, y in zip(flat(a), flat(b))), _spread(per_rep)
+        """Round by round, a's median step time over b's (both ran in the same rounds,
+        interleaved): the median of those ratios, and the lowest and highest."""
+        per_rep = [statistics.median(ta) / statistics.median(tb) for ta, tb in zip(times[a], times[b])]
+        return statistics.median(per_rep), _spread(per_rep)
 
     # the repetition that measured memory (none with --no-memory)
     mem = next((res for res in reversed(results) if res[0]["peak"]), None)
     rows = []
     for nm, kind, family in first["rows"]:
         vs_floor, vs_floor_spread = pair(nm, floor)
-        rows.append({"engine": nm, "kind": kind, "family": family,
+        rows.append({"engine": nm, "kind": kind, "family": family, "loop": first.get("loop", {}).get(nm, ""),
                      "ms": statistics.median(flat(nm)) * 1e3,
                      "ms_spread": tuple(1e3 * x for x in _spread([statistics.median(rep) for rep in times[nm]])),
                      "vs_floor": vs_floor, "vs_floor_spread": vs_floor_spread,
@@ -78,7 +82,7 @@ def summarize(results, steps):
     return {"rows": rows, "params": first["params"], "note": first["note"],
             "loss_spread": max(dist_losses) - min(dist_losses) if dist_losses else 0.0,
             "deepspeed_gap": max(abs(x - ref) for x in ds) if ds and ref is not None else None,
-            "steps": len(flat(floor)), "reps": len(results)}
+            "steps": len(flat(floor)), "reps": len(results), "rounds": len(results)}
 
 
 def kinds_of(rows):
@@ -100,7 +104,7 @@ def _cells(s, r):
         peer = f"{_with_spread(r['vs_peer'], r['vs_peer_spread'], '.2f')} ({r['best_peer']})"
     if r["vs_zerolab"] is not None:
         peer = f"{_with_spread(r['vs_zerolab'], r['vs_zerolab_spread'], '.2f')} (vs zerolab's default)"
-    return {"engine": r["engine"], "kind": r["kind"],
+    return {"engine": r["engine"], "kind": r["kind"], "loop": r.get("loop", ""),
             "step (ms)": _with_spread(r["ms"], r["ms_spread"], ".1f"),
             "vs floor": _with_spread(r["vs_floor"], r["vs_floor_spread"], ".2f"), "vs best peer": peer,
             "held (MB)": "-" if r["held"] is None else f"{r['held'] / 1e6:.2f}",
@@ -111,7 +115,7 @@ def _cells(s, r):
             "final loss": f"{r['loss']:.4f}"}
 
 
-TIMING_COLUMNS = ("engine", "kind", "step (ms)", "vs floor", "vs best peer")
+TIMING_COLUMNS = ("engine", "kind", "loop", "step (ms)", "vs floor", "vs best peer")
 COUNT_COLUMNS = ("engine", "kind", "bytes/step (MB)", "bytes / 4Ψ", "ledger / 4Ψ", "held (MB)", "peak/rank (MB)",
                  "final loss")
 
@@ -119,11 +123,27 @@ COUNT_COLUMNS = ("engine", "kind", "bytes/step (MB)", "bytes / 4Ψ", "ledger / 4
 def format_table(s, columns=None) -> str:
     """The Markdown table; columns=TIMING_COLUMNS or COUNT_COLUMNS for one half of it."""
     columns = columns or TIMING_COLUMNS + COUNT_COLUMNS[2:]
-    left = ("engine", "kind")
+    left = ("engine", "kind", "loop")
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" if c in left else "---:" for c in columns) + "|"]
     for r in s["rows"]:
         cells = _cells(s, r)
         lines.append("| " + " | ".join(cells[c] for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def format_ratios(s) -> str:
+    """The run's verdict in ratios, printed last: each zerolab engine (through each loop) over the
+    fastest peer of its kind and over the floor, each the ratio of the two medians with the
+    lowest and highest of the same ratio round by round."""
+    rounds = s.get("rounds", s.get("reps", 1))
+    lines = [f"zerolab over its best peer and the floor (per round, median step / the other's median step; "
+             f"the median over {rounds} round(s), in brackets the lowest and highest):"]
+    for r in s["rows"]:
+        if r["family"] != "zerolab":
+            continue
+        peer = "no peer ran" if r["vs_peer"] is None else \
+            f"{_with_spread(r['vs_peer'], r['vs_peer_spread'], '.2f')} x {r['best_peer']}"
+        lines.append(f"  {r['engine']:<32} {peer};  {_with_spread(r['vs_floor'], r['vs_floor_spread'], '.2f')} x floor")
     return "\n".join(lines)
 
 
@@ -157,7 +177,7 @@ def targets(s) -> list[tuple[str, bool | None]]:
         if r["family"] == "zerolab" and r["vs_peer"] is not None:
             lo, hi = r["vs_peer_spread"]
             out.append((f"{r['engine']} step time <= best peer ({r['best_peer']}): {r['vs_peer']:.2f} "
-                        f"(repetitions {lo:.2f}-{hi:.2f})", verdict(r["vs_peer_spread"], reps)))
+                        f"(rounds {lo:.2f}-{hi:.2f})", verdict(r["vs_peer_spread"], reps)))
             least = rows.get(r["least_peer"])
             if r["kind"] in MEMORY_TARGET_KINDS and least is not None:
                 out.append((f"{r['engine']} peak memory <= least peer ({least['engine']}): "
@@ -166,6 +186,6 @@ def targets(s) -> list[tuple[str, bool | None]]:
             lo, hi = r["vs_zerolab_spread"]
             at_most = verdict(r["vs_zerolab_spread"], reps)   # faster with prefetch: the ratio is above 1
             out.append((f"zl.ZeRO-3 faster with prefetch than {r['engine']}: {r['engine']} takes "
-                        f"{r['vs_zerolab']:.2f}x as long (repetitions {lo:.2f}-{hi:.2f})",
+                        f"{r['vs_zerolab']:.2f}x as long (rounds {lo:.2f}-{hi:.2f})",
                         None if at_most is None else not at_most))
     return out

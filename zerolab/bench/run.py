@@ -1,5 +1,6 @@
 """Running the benchmark: every engine in the same processes, step by step in a shuffled order,
-timed, counted and measured; `python -m zerolab bench` is main()."""
+timed, counted and measured, in several rounds (fresh processes each); `python -m zerolab bench`
+is main()."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import logging
 import math
 import random
+import sys
 import time
 import warnings
 
@@ -16,9 +18,9 @@ import torch.distributed as dist
 from ..data import CharDataset
 from ..launch import launch
 from ..models import GPT, SIZES, gpt_config
-from .engines import KINDS, build_runners, engine_factories
+from .engines import KINDS, LOOPS, ZEROLAB, build_runners, engine_factories, pytorch_loop_name
 from .overhead import format_overhead, measure as measure_overhead
-from .report import format_table, summarize, targets
+from .report import format_ratios, format_table, summarize, targets
 
 GPU_NOTE = "GPU path: not run, no device was available"
 
@@ -60,7 +62,7 @@ def measure_memory(build, data, batch, warmup=2):
 
 
 def bench_worker(size, batch, bucket_mb, warmup, steps, deepspeed=True, kinds=KINDS, memory=True,
-                 compile_models=False):
+                 compile_models=False, loops=LOOPS):
     """All engines in the same processes, one step each in turn, in a new shuffled order each step."""
     rank, n = dist.get_rank(), dist.get_world_size()
     # the peers' deprecation notices (DeepSpeed's collectives print one per call) and Dynamo's
@@ -71,7 +73,7 @@ def bench_worker(size, batch, bucket_mb, warmup, steps, deepspeed=True, kinds=KI
         torch._logging.set_logs(dynamo=logging.ERROR, inductor=logging.ERROR)
     data = CharDataset(gpt_config(size).block_size)
     runners, note = build_runners(size, batch, bucket_mb, deepspeed=deepspeed, kinds=kinds,
-                                  compile_models=compile_models)
+                                  compile_models=compile_models, loops=loops)
     times = {r.name: [] for r in runners}
     losses = {}
     for i in range(warmup + steps):
@@ -96,27 +98,38 @@ def bench_worker(size, batch, bucket_mb, warmup, steps, deepspeed=True, kinds=KI
         wrote[r.name] = None if w0 is None else w1 - w0
         ledger[r.name] = None if r.comm is None else r.comm.bytes()
     rows = [(r.name, r.kind, r.family) for r in runners]
+    loop = {r.name: r.loop for r in runners}
     del runners
     # memory: each engine alone, built inside the allocator trace
     held, peak = {}, {}
     if memory:
         factories = dict(engine_factories(size, batch, bucket_mb, deepspeed=deepspeed, kinds=kinds,
-                                          compile_models=compile_models)[0])
+                                          compile_models=compile_models, loops=loops)[0])
         for name, _, _ in rows:
+            twin = next((zl for zl in ZEROLAB if pytorch_loop_name(zl) == name), None)
+            if twin in held:
+                # the same engine through PyTorch's loop holds the same storages and runs the same
+                # step: its memory is measured once, through zerolab's loop (saves two builds)
+                held[name], peak[name] = held[twin], peak[twin]
+                continue
             # measured on a second build: the first in this trace may pay one-off lazy set-up
             # (op and dispatch caches, first-time shapes) that is the process's, not the engine's
             measure_memory(factories[name], data, batch)
             held[name], peak[name] = measure_memory(factories[name], data, batch)
     dist.barrier()
     params = sum(p.numel() for p in GPT(gpt_config(size)).parameters())
-    return {"rows": rows, "times": times, "loss": losses, "held": held,
+    return {"rows": rows, "loop": loop, "times": times, "loss": losses, "held": held,
             "peak": peak, "wrote": wrote, "ledger": ledger, "note": note, "params": params}
 
 
 def run(size="small", world_size=2, batch=8, bucket_mb=1.0, reps=2, warmup=2, steps=6,
-        deepspeed=True, kinds=KINDS, log=print, compile_models=False, memory=True):
-    """Launch the benchmark `reps` times (fresh processes each); returns the summary dict."""
-    for name, v in (("world_size", world_size), ("batch", batch), ("reps", reps), ("steps", steps)):
+        deepspeed=True, kinds=KINDS, log=print, compile_models=False, memory=True, loops=LOOPS, rounds=None):
+    """Launch the benchmark in `rounds` interleaved rounds (`reps`, its older name): each round
+    fresh processes in which every engine runs its steps in turn, one step each, in a new
+    shuffled order every step, so a busy moment of the machine hits them all. Returns the
+    summary dict (zerolab.bench.report.summarize)."""
+    reps = reps if rounds is None else rounds
+    for name, v in (("world_size", world_size), ("batch", batch), ("rounds", reps), ("steps", steps)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1; got {v!r}")
     if "floor" not in kinds:
@@ -124,16 +137,19 @@ def run(size="small", world_size=2, batch=8, bucket_mb=1.0, reps=2, warmup=2, st
     bad = [k for k in kinds if k not in KINDS]
     if bad:
         raise ValueError(f"unknown kinds {bad}; choose from {KINDS}")
+    if not loops or any(loop not in LOOPS for loop in loops):
+        raise ValueError(f"loops must name one or more of {LOOPS}; got {tuple(loops)!r}")
     results = []
     for rep in range(reps):
-        # memory is measured once, in the last repetition (each engine built alone, traced)
+        # memory is measured once, in the last round (each engine built alone, traced)
         res = launch(bench_worker, world_size, timeout=1800 if compile_models else 600,
                      args=(size, batch, bucket_mb, warmup, steps, deepspeed, kinds,
-                           memory and rep == reps - 1, compile_models))
+                           memory and rep == reps - 1, compile_models, tuple(loops)))
         results.append(res)
         if log:
-            log(f"  repetition {rep + 1}/{reps} done")
+            log(f"  round {rep + 1}/{reps} done")
     s = summarize(results, steps)
+    s["results"] = results    # what every rank measured, round by round (the table's raw data)
     s.update(size=size, world_size=world_size, batch=batch, bucket_mb=bucket_mb, reps=reps, compiled=compile_models)
     return s
 
@@ -149,38 +165,45 @@ def main(argv=None, plot=None):
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--bucket-mb", type=float, default=1.0, help="bucket size for the engines that have one")
-    p.add_argument("--reps", type=int, default=3, help="repetitions, fresh processes each")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per repetition")
+    p.add_argument("--rounds", "--reps", dest="reps", type=int, default=3,
+                   help="interleaved rounds, fresh processes each: every engine in turn, step by step "
+                        "(default 3; medians come with their lowest and highest round)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per round")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="1 repetition of 6 timed steps")
+    p.add_argument("--quick", action="store_true", help="1 round of 6 timed steps (with --rounds: that many)")
+    p.add_argument("--zerolab-loop-only", action="store_true",
+                   help="drive zerolab's engines through engine.backward/step only, not PyTorch's loop too")
     p.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed out even if installed")
     p.add_argument("--plot", metavar="DIR", help="write the figures (PNG) into DIR")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile every model first (inductor; minutes of compiling), DeepSpeed left out")
     p.add_argument("--no-memory", action="store_true", help="skip the memory columns (each engine built alone)")
+    argv_list = list(argv) if argv is not None else sys.argv[1:]
     a = p.parse_args(argv)
     if a.quick:
-        a.reps, a.steps, a.warmup = 1, 6, 2
-    for name in ("world_size", "batch", "reps", "steps"):
+        rounds_given = any(x.split("=")[0] in ("--rounds", "--reps") for x in argv_list)
+        a.reps, a.steps, a.warmup = a.reps if rounds_given else 1, 6, 2
+    for name, flag in (("world_size", "world-size"), ("batch", "batch"), ("reps", "rounds"), ("steps", "steps")):
         if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+            p.error(f"--{flag} must be >= 1")
     if not (math.isfinite(a.bucket_mb) and a.bucket_mb > 0):
         p.error(f"--bucket-mb must be a finite number > 0, got {a.bucket_mb!r}")
     if a.warmup < 0:
         p.error("--warmup must be >= 0")
     print(f"GPT {a.size!r}, {a.world_size} ranks (gloo, CPU), batch {a.batch} per rank, fp32 AdamW, "
-          f"buckets of {a.bucket_mb:g} MB, {a.reps} x {a.steps} timed steps after {a.warmup} warm-up"
+          f"buckets of {a.bucket_mb:g} MB, {a.reps} interleaved round(s) x {a.steps} timed steps after {a.warmup} warm-up"
           f"{', every model torch.compiled' if a.compile else ''}")
     t0 = time.perf_counter()
     s = run(a.size, a.world_size, a.batch, a.bucket_mb, a.reps, a.warmup, a.steps, deepspeed=not a.no_deepspeed,
-            compile_models=a.compile, memory=not a.no_memory)
+            compile_models=a.compile, memory=not a.no_memory,
+            loops=("zerolab",) if a.zerolab_loop_only else LOOPS)
     main.last = s  # the summary, for callers that want the numbers
     print()
     print(format_table(s))
     print()
     print(f"{s['params']:,} parameters (Ψ). Final losses of the zerolab and PyTorch engines agree to "
-          f"{'below 1e-4' if s['loss_spread'] < 1e-4 else format(s['loss_spread'], '.2e')}; the floor trains "
-          f"on one rank's batch only, so its loss differs.")
+          f"{'below 1e-4' if s['loss_spread'] < 1e-4 else format(s['loss_spread'], '.2e')}; the floor (local) "
+          f"trains on one rank's batch only, so its loss differs.")
     if s["deepspeed_gap"] is not None:
         print(f"DeepSpeed's final loss is {s['deepspeed_gap']:.2e} from PyTorch DDP's: its steps drift from "
               f"the others by more than fp32 rounding (cause not found; same seed, data and AdamW).")
@@ -196,6 +219,8 @@ def main(argv=None, plot=None):
         paths = plot(s, a.plot)
         print("figures: " + ", ".join(paths))
     print(f"{time.perf_counter() - t0:.0f} s in all.")
+    print()
+    print(format_ratios(s))   # last: what the run says about zerolab against its peers
     return 0
 
 
