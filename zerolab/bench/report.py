@@ -1,6 +1,6 @@
 """The benchmark's report: per-engine rows from the ranks' raw timings, the table, the targets.
 
-zerolab.bench runs the engines and collects, per repetition and rank, every step's time, the
+zerolab.bench runs the engines and collects, per round and rank, every step's time, the
 memory and bytes measured, and the final loss; this module turns that into what is printed:
 
     summarize(results, steps)   rows: median step time, ratios against the floor and the fastest
@@ -14,7 +14,7 @@ memory and bytes measured, and the final loss; this module turns that into what 
                                 the best peer of its kind and over the floor
     targets(summary)            the targets zerolab holds itself to: met, missed, or within the
                                 run-to-run spread (a timing difference smaller than the spread
-                                between repetitions is not a finding)
+                                between rounds is not a finding)
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import statistics
 
 
 def _spread(per_rep):
-    """(lowest, highest) of the per-repetition medians."""
+    """(lowest, highest) of the per-round medians."""
     return (min(per_rep), max(per_rep))
 
 
 def summarize(results, steps):
-    """Per-engine rows from the ranks' results (lists over repetitions of rank lists)."""
+    """Per-engine rows from the ranks' results (lists over rounds of rank lists)."""
     first = results[0][0]
     names = [r[0] for r in first["rows"]]
     # times[name][rep]: one entry per timed step, the slowest rank's (a step lasts until its
@@ -47,7 +47,7 @@ def summarize(results, steps):
         per_rep = [statistics.median(ta) / statistics.median(tb) for ta, tb in zip(times[a], times[b])]
         return statistics.median(per_rep), _spread(per_rep)
 
-    # the repetition that measured memory (none with --no-memory)
+    # the round that measured memory (none with --no-memory)
     mem = next((res for res in reversed(results) if res[0]["peak"]), None)
     rows = []
     for nm, kind, family in first["rows"]:
@@ -90,7 +90,7 @@ def kinds_of(rows):
 
 
 def _with_spread(value, spread, fmt):
-    """'7.3 (6.9-8.1)': the value and, after several repetitions, the range of their medians."""
+    """'7.3 (6.9-8.1)': the value and, after several rounds, the range of their medians."""
     if spread is None or spread[0] == spread[1]:
         return format(value, fmt)
     return f"{format(value, fmt)} ({format(spread[0], fmt)}–{format(spread[1], fmt)})"
@@ -148,8 +148,8 @@ def format_ratios(s) -> str:
 
 
 def verdict(spread, reps):
-    """Is a ratio at or below 1? True or False when every repetition's median says the same;
-    None when they disagree, or when one repetition leaves nothing to judge the noise by."""
+    """Is a ratio at or below 1? True or False when every round's median says the same;
+    None when they disagree, or when one round leaves nothing to judge the noise by."""
     if reps < 2 or spread is None:
         return None
     lo, hi = spread
@@ -169,7 +169,7 @@ MEMORY_TARGET_KINDS = ("ZeRO-1", "ZeRO-2")
 def targets(s) -> list[tuple[str, bool | None]]:
     """zerolab's targets: its step time at or below its fastest peer's, ZeRO-1/2's peak memory
     at or below their least peer's, ZeRO-3 faster with prefetch than without. A timing target
-    is True or False only when every repetition's median lies on the same side; None otherwise."""
+    is True or False only when every round's median lies on the same side; None otherwise."""
     out = []
     reps = s.get("reps", 1)
     rows = {r["engine"]: r for r in s["rows"]}

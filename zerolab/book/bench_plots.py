@@ -12,13 +12,13 @@ FAMILY_COLORS = {"floor": "#8c8c8c", "zerolab": "#4C72B0", "PyTorch": "#DD8452",
 
 def bench_figure(s):
     """Three panels, one bar per engine: step time vs the floor (the whisker spans the lowest
-    to the highest repetition's median), peak memory, bytes per step."""
+    to the highest round's median), peak memory, bytes per step."""
     rows = s["rows"]
     names = [r["engine"] for r in rows]
     colors = [FAMILY_COLORS.get(r["family"], "#8172B3") for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4.2), sharey=True)
     y = list(range(len(rows)))
-    panels = [("step time / floor (whisker: spread over repetitions)", [r["vs_floor"] for r in rows]),
+    panels = [("step time / floor (whisker: spread over rounds)", [r["vs_floor"] for r in rows]),
               ("peak memory per rank (MB)", [r["peak"] / 1e6 for r in rows]),
               ("bytes sent per step and rank (MB)", [(r["bytes"] or 0) / 1e6 for r in rows])]
     for ax, (title, vals) in zip(axes, panels):
@@ -35,7 +35,7 @@ def bench_figure(s):
     handles = [matplotlib.patches.Patch(color=c, label=f) for f, c in FAMILY_COLORS.items()]
     fig.legend(handles=handles, loc="lower center", ncol=4, frameon=False)
     fig.suptitle(f"GPT {s['size']!r}, {s['world_size']} ranks, batch {s['batch']} per rank, "
-                 f"{s.get('reps', 1)} repetitions (this machine)")
+                 f"{s.get('reps', 1)} rounds (this machine)")
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
 
