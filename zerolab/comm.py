@@ -115,7 +115,10 @@ class Handle:
                 self._work.wait()
             else:
                 try:
-                    watchdog.wait(self._work, timeout)
+                    if self._work.is_completed():
+                        self._work.wait()       # done (or failed) already: nothing to watch
+                    else:
+                        watchdog.wait(self._work, timeout)
                 except RuntimeError as exc:
                     # it waited too long, or it failed at once (a peer closed its connection)
                     raise self._ledger._failed(self, exc) from None

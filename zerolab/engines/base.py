@@ -198,8 +198,10 @@ class Engine(Step, EngineState):
         return measured_forward(self, *args, **kwargs)
 
     def _broadcast_buffers(self):
-        # rank 0's buffers (BatchNorm's running statistics), one broadcast per dtype
-        buffers = list(self.model.buffers())
+        # rank 0's buffers (BatchNorm's running statistics), one broadcast per dtype: those the
+        # model had when it was wrapped, as PyTorch DDP (walking the modules at every forward
+        # costs a CPU rank more than a model without buffers should pay)
+        buffers = self._buffers_list
         if buffers and self.world_size > 1:
             broadcast_from_rank0(buffers, self.comm, self._src, tag="buffers")
 
@@ -329,9 +331,11 @@ class Engine(Step, EngineState):
         hook (a loss computed from the parameters themselves, say) before p.grad is touched;
         and each one's gradient accumulator, which _reaches_parameters asks about."""
         self._trainable_params = [p for p in self.model.parameters() if p.requires_grad]
+        self._buffers_list = list(self.model.buffers())
         self._accumulators = [self._accumulator_of(p) for p in self._trainable_params]
-        for p in self._trainable_params:
-            p.register_hook(self._param_grad)
+        if not self.reducer_begins_backward:
+            for p in self._trainable_params:
+                p.register_hook(self._param_grad)
 
     def _accumulator_of(self, p):
         # (holding it keeps it the one every graph of p uses: autograd keeps it weakly)
@@ -347,6 +351,11 @@ class Engine(Step, EngineState):
 
     _trainable_params: list = []
     _accumulators: list = []
+    # zl.DDP: its reducer's hook on every parameter (after the gradient is added to p.grad)
+    # begins a backward that bypassed the output hook, since nothing has to happen to p.grad
+    # before (no guards: not sharded); one Python call per parameter and backward fewer
+    reducer_begins_backward = False
+    _buffers_list: list = []
 
     # What an engine's reducer does (the defaults: nothing to reduce, one process).
     def _reset_backward_state(self) -> None:
@@ -362,7 +371,8 @@ class Engine(Step, EngineState):
         and so, under a sharded engine, is model.zero_grad() (_take_back_guards)."""
         self._release_grads()
         self._drop_step_grads()
-        grad_guard.unhide(self.model.parameters())
+        if self.sharded:                # (only a sharded engine's backward puts guards in p.grad)
+            grad_guard.unhide(self._trainable())
         self.life.zeroed()
 
     def _release_grads(self) -> None:

@@ -71,6 +71,12 @@ class DDP(NaiveDDP):
     overlap_default = True      # launch each bucket as soon as it is full
     reduces_in_no_sync = False  # inside no_sync gradients only accumulate (ZeRO-2 differs)
 
+    @property
+    def reducer_begins_backward(self) -> bool:
+        # (Engine._watch_parameters) no guards to take back, and this class's own hook (a lab's
+        # reducer that does not begin backwards keeps the engine's hook before each gradient)
+        return not self.sharded and type(self)._on_grad_ready is DDP._on_grad_ready
+
     takes = options.BUCKETED    # NaiveDDP's options, and bucket_mb, overlap
 
     def _read_options(self, opts, model) -> None:
@@ -140,29 +146,35 @@ class DDP(NaiveDDP):
     # the buckets; the end-of-backward callback (_finish_backward) launches the rest and waits.
     def _reset_backward_state(self):
         self._missing = list(self._sizes)   # per bucket: gradients this backward has not delivered
-        self._counted = set()        # ids of params delivered in this backward
+        self._counted = [False] * len(self.params)   # by position k: delivered in this backward
         self._next = 0               # the next bucket to launch: always in index order
         self._pending = []           # (bucket, handle) launched and not completed, oldest first
         self._bucket_sums = []       # DDP: each reduced bucket's sum, for the step's finite check
 
     def _on_grad_ready(self, p):
-        # The hot path: it runs once per parameter per backward, so it does as little as it can.
+        # The hot path: it runs once per parameter per backward, so it does as little as it can
+        # (plain attributes and lists indexed by position: a CPU rank pays for every Python step).
+        if not self.life.in_backward:    # (zl.DDP: a backward that bypassed the output hook)
+            self._begin_backward(self.life.sync)
         b, i, k = self._slot[id(p)]
-        if b < self._next and id(p) in self._counted and self._reducing_now:
+        reducing = self.life.reducing
+        if reducing and b < self._next and self._counted[k]:
             raise RuntimeError(_LATE.format(shape=tuple(p.shape)))
         self._take(p, b, i, k)
         self._reached[k] = True      # (ZeRO-1 and 2 agree on these; DDP on p.grad itself)
-        if not self._reducing_now:
+        if not reducing:
             return                   # no_sync: the gradient just accumulates in its bucket
-        if id(p) not in self._counted:   # (a hook can fire twice, e.g. reentrant checkpointing)
-            self._counted.add(id(p))
+        if not self._counted[k]:     # (a hook can fire twice, e.g. reentrant checkpointing)
+            self._counted[k] = True
             self._missing[b] -= 1
         # collectives finish in launch order: complete the oldest ones that are done (this also
         # stamps their end time within one hook of when they really finished, for timelines)
-        while self._pending and self._pending[0][1].is_completed():
+        pending = self._pending
+        while pending and pending[0][1].is_completed():
             self._wait_oldest()
         if self.overlap:
-            while self._next < len(self._missing) and self._missing[self._next] == 0:
+            missing = self._missing
+            while self._next < len(missing) and missing[self._next] == 0:
                 self._launch(self._next)
 
     def _take(self, p, b, i, k):
@@ -187,7 +199,7 @@ class DDP(NaiveDDP):
         if self._missing[b]:
             bucket = self.buckets.buckets[b]
             for i, p in enumerate(bucket.params):
-                if id(p) not in self._counted and p.grad is not bucket.grad_view(i):
+                if not self._counted[self._slot[id(p)][2]] and p.grad is not bucket.grad_view(i):
                     bucket.grad_view(i).zero_()
         if self.world_size > 1:
             flat.div_(self.world_size)

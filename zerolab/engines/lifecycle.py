@@ -46,7 +46,8 @@ class Lifecycle:
         self.accumulates_after_reduce = accumulates_after_reduce
         self.reduces_in_no_sync = reduces_in_no_sync
         self.loss_scaling = loss_scaling
-        self.phase = Phase.IDLE
+        self._phase = Phase.IDLE
+        self.in_backward = False        # phase is IN_BACKWARD (read in every gradient hook: a plain attribute)
         self._before = Phase.IDLE       # the phase a backward in progress began from
         self.sync = True                # outside no_sync() (require_backward_grad_sync)
         self.scaling = False            # inside engine.backward(loss)
@@ -59,8 +60,13 @@ class Lifecycle:
         self.clip_next = None           # max_norm of a clip_grad_norm_() call, for the next step
 
     @property
-    def in_backward(self) -> bool:
-        return self.phase is Phase.IN_BACKWARD
+    def phase(self) -> Phase:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: Phase) -> None:
+        self._phase = value
+        self.in_backward = value is Phase.IN_BACKWARD
 
     @property
     def backward_done(self) -> bool:

@@ -43,6 +43,7 @@ class ParamViews:
     """
 
     whole = None                     # engines.whole_matrix.WholeMatrices: cut parameters stepped whole
+    _plan = None                     # point_grads' per-parameter lookups (_point_plan)
 
     def __init__(self, masters, buckets, slices, names=None, resident=None):
         self.names = names or {}
@@ -63,6 +64,19 @@ class ParamViews:
         for i, (m, bucket, s) in enumerate(zip(self.masters, self.buckets, self.slices)):
             with self.resident(i) if self.resident is not None else contextlib.nullcontext():
                 self._cut(i, m.detach(), bucket, s)
+        self.replanned()
+
+    def replanned(self) -> None:
+        """The views changed (bind; engines.whole_matrix): point_grads looks them up again."""
+        self._plan = None
+
+    def _point_plan(self) -> list:
+        """What point_grads reads at every step, looked up once: per parameter its id, its view
+        with the view's shape and strides, and where it lies (master, lo, hi)."""
+        if self._plan is None:
+            self._plan = [(id(p), v, v.shape, v.stride(), *self.where[id(p)])
+                          for p in self.params for v in (self.view_of[id(p)],)]
+        return self._plan
 
     def _cut(self, i, flat, bucket, s) -> None:
         for p, o, n in zip(bucket.params, bucket.offsets, bucket.sizes):
@@ -124,17 +138,19 @@ class ParamViews:
         so the optimizer skips them as it skips a parameter without a gradient. `only`: the
         master indices to point (offload="disk" steps one unit at a time)."""
         grads = [m.grad for m in self.masters]
-        for p in self.params:
-            i, lo, hi = self.where[id(p)]
+        # (once per master, not per parameter: a CPU rank pays for every Python step here)
+        contiguous = [g is not None and g.is_contiguous() for g in grads]
+        offsets = [g.storage_offset() if c else 0 for g, c in zip(grads, contiguous)]
+        for pid, view, shape, stride, i, lo, hi in self._point_plan():
             if only is not None and i not in only:
                 continue
-            view, grad = self.view_of[id(p)], grads[i]
-            if lo == hi or grad is None or id(p) in skip:
+            grad = grads[i]
+            if lo == hi or grad is None or pid in skip:
                 view.grad = None
-            elif grad.is_contiguous():      # one operation: the range, in the view's shape
-                view.grad = grad.as_strided(view.shape, view.stride(), grad.storage_offset() + lo)
+            elif contiguous[i]:             # one operation: the range, in the view's shape
+                view.grad = grad.as_strided(shape, stride, offsets[i] + lo)
             else:
-                view.grad = grad[lo:hi].view(view.shape)
+                view.grad = grad[lo:hi].view(shape)
 
     def drop_grads(self) -> None:
         for view in self.view_of.values():

@@ -127,6 +127,7 @@ class WholeMatrices:
                 views.view_of[id(c.p)], views.piece[id(c.p)] = \
                     master.detach()[:0].view((0,) + tuple(c.p.shape[1:])), (0, 0)
             views.where[id(c.p)] = (c.i, 0, 0)      # (its gradient arrives by `gather`)
+        views.replanned()                           # (point_grads reads the new views)
         # each block of the all-to-alls: what one rank sends one other rank
         self.block = max([sum(self._length(c, h) for c in self._between(h, o))
                           for h in range(n) for o in range(n) if h != o] or [0])
