@@ -156,6 +156,8 @@ def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KIND
     def zl_engine(name, loop="zerolab"):
         kind = "DDP" if name == "zl.DDP" else name[3:9]
         r = _zl_runner(name if loop == "zerolab" else pytorch_loop_name(name), kind,
+                       # track_peak=False: no peer traces its step's allocations either (the
+                       # memory columns measure every engine's peak, the same way, instead)
                        make_zerolab(name, zl_model(), opt, bucket_mb=bucket_mb, track_peak=False), loop)
         if ZEROLAB[name][1]:
             r.family = "ablation"   # zerolab with a feature off: compared with zerolab, not peers
