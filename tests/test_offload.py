@@ -5,7 +5,13 @@
   with an overflow on one rank (every rank skips the same step);
 * bytes: the device <-> host ledger (engine.transfers) per step against the closed form below,
   computed from the model's parameter counts, never from the engine;
-* memory: memory_report()'s "host" bytes against 12 bytes per element of the shard;
+* memory: memory_report()'s "host" bytes against (4 + 8 + 4 + c) bytes per element of the
+  shard: master, Adam's moments, the persistent fp32 gradient, the staging buffer (c: 2 in bf16,
+  none in fp32), plus 4 bytes of step count per tensor the optimizer updates;
+* the persistent gradient buffer: a ZeRO-3 unit no backward reached at a later step adds zeros,
+  not its last gradient, to the clipping norm;
+* fused=True (the one-pass update, the script's choice): offload is bit for bit the engine
+  without it, and within fp32 round-off of one process with torch's default AdamW;
 * delay_update: against a single-process torch loop built by hand with the lag, at N = 1 (bit
   for bit) and N = 2 (on the global batch, within fp32 round-off); an fp16 give-up names the
   module that overflowed, as without it;
@@ -47,6 +53,7 @@ from tolerances import fp32_adamw_tol
 pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
 
 OPT = PARITY_ADAMW
+FUSED = partial(torch.optim.AdamW, lr=1e-3, eps=1e-6, weight_decay=0.1, fused=True)
 STEPS = 3
 
 
@@ -131,6 +138,9 @@ def worker(root, n):
         for stage, mode in ((2, "optimizer"), (3, "disk")):
             out[("resume", stage, mode)] = same(resume_run(root, stage, mode, False),
                                                 resume_run(root, stage, mode, True))
+        out["skipped_unit"] = [skipping_run(offload) for offload in (False, True)]
+        for stage in (2, 3):
+            out[("fused", stage)] = fused_runs(stage)
     where = os.path.join(root, "case")
     for stage in (1, 2, 3):
         modes = ["optimizer"] + (["disk"] if stage == 3 else [])
@@ -158,7 +168,60 @@ def worker(root, n):
                 r = train(stage, "bf16", mode, micro=micro, bucket_mb=25.0, steps=2,
                           offload_dir=where + f"3{micro}")
                 out[("bytes", stage, mode, micro)] = (r["moved"], r["memory"], r["opt_tensors"], r["disk"])
+        if n == 2:                      # fp32: no staging buffer
+            r = train(stage, "fp32", "optimizer", bucket_mb=25.0, steps=2)
+            out[("host fp32", stage)] = (r["memory"], r["opt_tensors"])
     return out
+
+
+class SkipsABlock(torch.nn.Module):
+    """Three blocks, each a ZeRO-3 unit (the children of the ModuleList); the middle one runs only
+    when skip is False, so at a step with skip=True no backward reaches its unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.skip = False
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            if not (self.skip and i == 1):
+                x = torch.tanh(block(x))
+        return x
+
+
+def skipping_run(offload):
+    """ZeRO-3, fp32, clipping at a norm the gradients exceed; the middle unit is skipped at step
+    1 only. Returns (full state, the clipping norms)."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = SkipsABlock()
+    eng = zl.ZeRO(model, OPT, stage=3, max_grad_norm=0.01, **({"offload": "optimizer"} if offload else {}))
+    norms = []
+    for s in range(3):
+        eng.module.skip = s == 1
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * s + rank))
+        eng.backward(eng(x).pow(2).mean())
+        eng.step()
+        norms.append(float(eng.last_grad_norm))
+        eng.zero_grad()
+    return eng.full_state_dict(), norms
+
+
+def fused_runs(stage):
+    """AdamW(fused=True) at N ranks: offload, the same engine without offload, and one process on
+    the global batch with torch's default AdamW (what a script gets without asking)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    off = train(stage, "fp32", "optimizer", opt=FUSED)["state"]
+    ref = train(stage, "fp32", False, opt=FUSED)["state"]
+    model, data, loss_fn, B = build("gpt", 0)
+    opt = OPT(model.parameters())
+    for s in range(STEPS):
+        loss_fn(model, data.global_batch(s, B * n))[1].backward()
+        opt.step()
+        opt.zero_grad()
+    one = model.state_dict()
+    return same(off, ref), max((off[k] - one[k]).abs().max().item() for k in one)
 
 
 @lru_cache(maxsize=None)
@@ -204,10 +267,35 @@ def test_bytes_down_and_up_per_step_are_the_closed_form(n):
                 # gradients: bf16 (2 bytes) as reduced; fp32 (4) once stages 2-3 accumulate
                 grad_bytes = 4 if (micro == 2 and stage in (2, 3)) else 2
                 assert moved == [(grad_bytes * k, 2 * k)] * 2, (stage, micro, moved, k)
-                # host: fp32 master (4) + Adam's two moments (8) per element, one 4-byte step
-                # counter per tensor the optimizer updates; the device keeps the rest
-                assert memory["host"] == 12 * k + 4 * opt_tensors, (stage, memory, k)
+                # host, per element: fp32 master (4) + Adam's two moments (8) + the fp32 gradient
+                # buffer (4) + the bf16 staging buffer (2); one 4-byte step counter per tensor the
+                # optimizer updates; the device keeps the rest
+                assert memory["host"] == (4 + 8 + 4 + 2) * k + 4 * opt_tensors, (stage, memory, k)
                 assert memory["device"] == memory["total"] - memory["host"] > 0
+            memory, opt_tensors = rank_out[("host fp32", stage)]
+            assert memory["host"] == (4 + 8 + 4) * k + 4 * opt_tensors, (stage, memory, k)   # no staging
+
+
+def test_a_zero3_unit_no_backward_reached_adds_zeros_to_the_norm_not_its_last_gradient():
+    # the host's fp32 gradient buffer outlives the step: a unit skipped at step 1 must count as
+    # zeros (as without offload), or the clipping norm and every weight after it change
+    for rank_out in results(2):
+        (ref, ref_norms), (off, off_norms) = rank_out["skipped_unit"]
+        assert min(ref_norms) > 0.01, "clipping did not act"
+        assert off_norms == ref_norms, (off_norms, ref_norms)
+        assert same(ref, off), "offload changed the weights of a run with a skipped unit"
+
+
+def test_fused_adamw_on_the_host_is_the_engine_without_offload_and_near_one_process():
+    # AdamW(fused=True) is the script's choice (zerolab never switches it on): with it, offload is
+    # still bit for bit the engine without offload (the same kernel on the same values), and one
+    # process with torch's default AdamW differs by the two summation orders and the fused
+    # kernel's last-bit rounding: within fp32_adamw_tol (tests/tolerances.py)
+    for rank_out in results(2):
+        for stage in (2, 3):
+            equal, diff = rank_out[("fused", stage)]
+            assert equal, f"stage {stage}: offload with fused AdamW changed the weights"
+            assert diff <= fp32_adamw_tol(STEPS), f"stage {stage}: {diff:.2e} from one process"
 
 
 def test_a_checkpoint_of_an_offloaded_engine_resumes_bit_for_bit():

@@ -154,6 +154,11 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
                 self.pager.out(u.key("master"), u.master.data)
         self.pager.flush()
 
+    def _make_host_buffers(self):
+        """None kept: a unit's step makes its fp32 gradient and staging buffer and drops them with
+        the unit (between steps the files hold everything; whole-shard buffers would undo that)."""
+        self._grad32, self._staging, self._shard_of = [], {}, {}
+
     # -------------------------------------------------------------- reading ahead
     def _prefetch_after(self, order, u, phase):
         super()._prefetch_after(order, u, phase)

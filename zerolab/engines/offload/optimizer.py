@@ -20,15 +20,28 @@ How it fits the engines: OptimizerOffload is a mixin placed before ZeRO1, ZeRO2 
 the engine is built it gives every master shard a host twin (pinned when CUDA is present: a
 copy from pinned memory runs by DMA at the bus's full speed; zerolab still waits for each one,
 so its seconds are the copy's) and points the optimizer at the twins; the device keeps only the
-compute copy. Then two steps of the engine's step template change and nothing else:
+compute copy. Beside each twin it keeps, for every step, an fp32 gradient buffer and (bf16,
+fp16) a staging buffer in the compute dtype (_make_host_buffers). Then these steps of the
+engine's step template change and nothing else:
 
     _step_grads   copy each gradient shard down (counted), cast it to fp32 ON THE HOST
-    _upload       copy each updated master shard up, cast to the compute dtype (counted)
+    _grad_sums    the finite check's sums, on the device's shards (the same values)
+    _upload       cast each updated master shard to the compute dtype, copy it up (counted)
 
-The finite check, clipping and the optimizer (the user's torch optimizer, on one view per
-parameter of the host shards, through its foreach path unless the script chose fused=True)
-run on the host copies: the same arithmetic on the same values, so the result is bit for bit
-the engine without offload.
+Host bytes per element of the shard, k = Psi_pad / N of them, c the compute dtype's bytes:
+
+    host = (4 + 8 + 4 + c) k  (+ 4 bytes of step count per tensor the optimizer updates)
+           master, Adam's two moments, the fp32 gradient, the staging buffer (none in fp32)
+
+18 bytes in bf16 and fp16, 16 in fp32: what DeepSpeed's ZeRO-Offload keeps on the host too.
+
+Clipping and the optimizer (the user's torch optimizer, on one view per parameter of the host
+shards) run on the host copies: the same arithmetic on the same values, so the result is bit
+for bit the engine without offload. That is also why zerolab runs the optimizer as the script
+built it: torch's AdamW(fused=True) updates in one pass over the memory (what DeepSpeed's
+DeepSpeedCPUAdam does) where its foreach path makes a dozen, but it rounds differently in the
+last bit, so it is the script's choice (partial(torch.optim.AdamW, fused=True)), never made
+behind its back; zerolab only asks for foreach where the script left the choice to torch.
 
 `engine.transfers` is the ledger of device <-> host copies (direction, bytes, seconds), kept
 apart from `engine.comm`, the ledger of the network. memory_report() adds "device" and "host".
@@ -132,6 +145,7 @@ class OptimizerOffload:
         super().__init__(model, optimizer, **keywords)   # (its options include engines.options.Offload)
         self.delay_update = self.options.offload.delay_update
         self._move_masters_to_host()
+        self._make_host_buffers()
 
     # -------------------------------------------------------------- construction
     @torch.no_grad()
@@ -147,31 +161,77 @@ class OptimizerOffload:
         if self.views is not None:       # the optimizer's views are cut again, from the twins
             self.views.move(host, self.optimizer)
 
-    # -------------------------------------------------------------- the two steps that move bytes
+    @torch.no_grad()
+    def _make_host_buffers(self):
+        """The step's host buffers, made once here and reused by every step (a fresh fp32 copy of
+        each gradient and a fresh staging buffer every step cost a GPU box's host more than the
+        update itself: new pages to fault in, or to pin):
+
+            grad32[i]             the fp32 gradient the optimizer reads: 4 bytes per element
+            staging[i, dtype]     bf16 / fp16 only: where the reduced gradient lands from the device,
+                                  and where the updated master is cast before it goes up: c bytes
+                                  per element. One buffer serves both directions, one after the
+                                  other: every copy has finished when Transfers.copy returns.
+
+        DeepSpeed's ZeRO-Offload keeps the same two (its fp32 gradient partition and its 16-bit
+        buffer for the way up, deepspeed/runtime/zero/stage_1_and_2.py)."""
+        self._grad32 = [host_empty(m.shape, torch.float32, d.is_cuda) for m, d in zip(self.masters, self._dev)]
+        self._shard_of = {id(m): i for i, m in enumerate(self.masters)}
+        self._staging = {}              # (shard, dtype) -> its staging buffer
+        for i, d in enumerate(self._dev):
+            if d.dtype != torch.float32:
+                self._staging_buffer(i, d.dtype, d.is_cuda)
+
+    def _staging_buffer(self, i, dtype, for_gpu) -> torch.Tensor:
+        """Shard i's staging buffer of `dtype`: the compute dtype's was made with the engine (a
+        gradient is reduced in that dtype or in fp32, which needs none); another is made once."""
+        if (i, dtype) not in self._staging:
+            self._staging[i, dtype] = host_empty(self.masters[i].shape, dtype, for_gpu)
+        return self._staging[i, dtype]
+
+    # -------------------------------------------------------------- the steps that move bytes
     def _step_grads(self) -> list:
-        """Each reduced gradient shard goes down to the host, then becomes fp32 there."""
+        """Each reduced gradient shard goes down to the host, then becomes fp32 there, in the
+        shard's persistent buffers (_make_host_buffers): a low-precision gradient lands in the
+        staging buffer and is cast from it into grad32 on all the host's cores; an fp32 one lands
+        in grad32 itself. ZeRO-3's unit that no backward reached sends nothing: zeros."""
         for i, (m, g) in enumerate(zip(self.masters, self._owned_grads())):
-            if g is None:               # ZeRO-3: a unit no backward reached holds zeros
-                g = torch.zeros(m.shape, dtype=self._dev[i].dtype, device=self._dev[i].device)
-            down = self.transfers.copy(host_empty(g.shape, g.dtype, g.is_cuda), g, "d2h", tag=f"grad{i}")
-            m.grad = down.float()       # free in fp32; the cast to fp32 is the host's work
+            grad32 = self._grad32[i]
+            if g is None:
+                grad32.zero_()          # (the buffer still holds the last step's gradient)
+            elif g.dtype == torch.float32:
+                self.transfers.copy(grad32, g, "d2h", tag=f"grad{i}")
+            else:
+                staged = self.transfers.copy(self._staging_buffer(i, g.dtype, g.is_cuda), g, "d2h", tag=f"grad{i}")
+                grad32.copy_(staged)    # the cast to fp32 is the host's work
+            m.grad = grad32
         return [m.grad for m in self.masters]
+
+    def _grad_sums(self, grads) -> list:
+        """The finite check (bf16, fp32: one sum per shard) reads the DEVICE's gradient shards, the
+        same values as the host's copies: a GPU sums its own memory in microseconds, and the
+        host's cores are left to the update."""
+        return [g.sum() for g in self._owned_grads() if g is not None]
 
     def _upload(self, dev, master):
         """The updated fp32 master shard goes up, cast to the compute dtype. The cast is the
-        host's work, on all its cores, into a pinned buffer that one DMA copy then sends up: a
-        copy that changes dtype and device at once would convert on one core first (on an H100
-        host, 250 ms for 163 M parameters where the bus needs 6 ms). Pinned buffers come back
-        from PyTorch's caching host allocator, so the next step pays no allocation."""
+        host's work, on all its cores, into the shard's staging buffer (pinned on a GPU box), which
+        one DMA copy then sends up: a copy that changes dtype and device at once would convert
+        on one core first (on an H100 host, 250 ms for 163 M parameters where the bus needs 6 ms).
+        (offload="disk" steps a unit at a time and keeps no buffer between steps: its cast goes
+        to a buffer made for it.)"""
         if master.dtype != dev.dtype:
-            master = host_empty(master.shape, dev.dtype, dev.is_cuda).copy_(master)
+            i = self._shard_of.get(id(master))
+            staged = (host_empty(master.shape, dev.dtype, dev.is_cuda) if i is None
+                      else self._staging_buffer(i, dev.dtype, dev.is_cuda))
+            master = staged.copy_(master)
         self.transfers.copy(dev, master, "h2d", tag="param")
 
     def _drop_step_grads(self):
         if self._in_flight is not None:
             return                      # zero_grad() during a delayed update: its thread reads them
         super()._drop_step_grads()
-        for m in self.masters:          # the host gradient copies are the step's alone
+        for m in self.masters:          # (grad32 keeps its storage for the next step)
             m.grad = None
 
     def _expose_grads(self):
@@ -237,9 +297,11 @@ class OptimizerOffload:
 
     # -------------------------------------------------------------- where the bytes live
     def host_tensors(self) -> list:
-        """What lives in host memory: the fp32 masters, their gradients, the optimizer state."""
+        """What lives in host memory: the fp32 masters, the optimizer state, and the step's
+        buffers (fp32 gradients, staging), held between steps too."""
         grads = [m.grad for m in self.masters if m.grad is not None]
-        return list(self.masters) + grads + optimizer_tensors(self.optimizer)
+        return (list(self.masters) + grads + list(self._grad32) + list(self._staging.values())
+                + optimizer_tensors(self.optimizer))
 
     def _memory_tensors(self):
         # the host masters are separate tensors now (in fp32 too): count them as optimizer bytes
