@@ -97,16 +97,19 @@ def time_update_inside(optimizer) -> dict:
 
 def build_deepspeed_op() -> dict:
     """Build (or load from the cache) DeepSpeed's CPU-Adam op, here in the parent, so the rank only
-    loads it. Its op builder cannot parse an arch list like "9.0a": give it the GPU's own."""
+    loads it. DeepSpeed 0.19.8's op builder cannot parse an arch list like "9.0a" (a GPU image may
+    set one): it gets the GPU's own, "9.0" on an H100 or H200 (the rank inherits it)."""
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
     if torch.cuda.is_available():
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "%d.%d" % torch.cuda.get_device_capability(0))
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "%d.%d" % torch.cuda.get_device_capability(0)
     t0 = time.perf_counter()
     try:
         from deepspeed.ops.op_builder import CPUAdamBuilder
         CPUAdamBuilder().load()
-        return {"ok": True, "seconds": time.perf_counter() - t0}
+        return {"ok": True, "seconds": time.perf_counter() - t0, "arch_list_before": arch}
     except Exception as e:  # noqa: BLE001 - reported, the rest runs without it
-        return {"ok": False, "seconds": time.perf_counter() - t0, "error": f"{type(e).__name__}: {e}"[:800]}
+        return {"ok": False, "seconds": time.perf_counter() - t0, "arch_list_before": arch,
+                "error": f"{type(e).__name__}: {e}"[:800]}
 
 
 def deepspeed_engine(model, batch):
