@@ -1,7 +1,7 @@
 """The offloaded host step beside DeepSpeed's CPU-Adam and torch's AdamW, on the same tensors.
 
     python -m gpu.host_step [OUTDIR] [--device cpu|cuda] [--tiny] [--deepspeed] [--repeats 5]
-                            [--threads T] [--deadline 75] [--batch B] [--seq T]
+                            [--threads T] [--deadline 60] [--batch B] [--seq T]
 
 OUTDIR defaults to gpu/results/new; the script writes OUTDIR/host_step.json (and host_step.jsonl,
 a line per figure as it is taken) and prints every figure as it goes, then a table.
@@ -40,7 +40,7 @@ for all rows (--threads, default every core this process may run on; OMP_NUM_THR
 DeepSpeed's OpenMP loop): zl.launch gives each rank one thread, which would starve the update.
 With --deepspeed its CPU-Adam op is built (JIT, ninja) before anything else: about a minute the
 first time on a GPU box, seconds from its cache after. No new round starts --deadline seconds
-(default 75) after that; what was measured is written either way. On a GPU box the rest takes
+(default 60) after that; what was measured is written either way. On a GPU box the rest takes
 about a minute. (On a shared machine, time with --threads 1: an OpenMP loop whose other threads
 are preempted waits for them at its barrier, once per tensor the optimizer updates.)
 """
@@ -277,7 +277,7 @@ def main(argv=None):
     p.add_argument("--deepspeed", action="store_true", help="DeepSpeed's CPU-Adam (and on a GPU its engine)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--deadline", type=float, default=75.0,
+    p.add_argument("--deadline", type=float, default=60.0,
                    help="no new round this many seconds after the start (after DeepSpeed's build)")
     p.add_argument("--batch", type=int, default=None, help="sequences a backward (GPU 8, CPU 1)")
     p.add_argument("--seq", type=int, default=None, help="tokens a sequence (GPU 1024, CPU 8)")
