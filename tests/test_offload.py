@@ -211,7 +211,7 @@ def skipping_run(offload):
 def fused_runs(stage):
     """AdamW(fused=True) at N ranks: offload, the same engine without offload, and one process on
     the global batch with torch's default AdamW (what a script gets without asking)."""
-    rank, n = dist.get_rank(), dist.get_world_size()
+    n = dist.get_world_size()
     off = train(stage, "fp32", "optimizer", opt=FUSED)["state"]
     ref = train(stage, "fp32", False, opt=FUSED)["state"]
     model, data, loss_fn, B = build("gpt", 0)

@@ -194,7 +194,8 @@ def bytes_worker(offload_dir):
     """Bytes per step (the second step: the first has no optimizer state to read) of the nano
     GPT in bf16 at N ranks: device<->host copies, disk reads and writes, and the network, for
     offload="optimizer" at stages 1-3 and offload="disk" at stage 3, with memory_report's
-    device / host split. Beside them the closed forms, from parameter counts."""
+    device / host split and the tensors the optimizer holds state for (each has a 4-byte step
+    count). Beside them the closed forms, from parameter counts."""
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     out = {}
@@ -220,7 +221,7 @@ def bytes_worker(offload_dir):
             "d2h": eng.transfers.bytes("d2h"), "h2d": eng.transfers.bytes("h2d"),
             "read": io1["read"] - io0["read"] if io0 else 0,
             "written": io1["written"] - io0["written"] if io0 else 0,
-            "network": eng.comm.bytes(), "memory": eng.memory_report(),
+            "network": eng.comm.bytes(), "memory": eng.memory_report(), "tensors": len(eng.optimizer.state),
             "files": files_bytes(eng.pager.directory) if mode == "disk" else 0}
     return out
 

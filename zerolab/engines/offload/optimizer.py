@@ -208,10 +208,10 @@ class OptimizerOffload:
         return [m.grad for m in self.masters]
 
     def _grad_sums(self, grads) -> list:
-        """The finite check (bf16, fp32: one sum per shard) reads the DEVICE's gradient shards, the
-        same values as the host's copies: a GPU sums its own memory in microseconds, and the
-        host's cores are left to the update."""
-        return [g.sum() for g in self._owned_grads() if g is not None]
+        """The finite check (bf16, fp32: one sum per shard, or the sums the engine took during
+        backward) reads the DEVICE's gradient shards, the same values as the host's copies: a GPU
+        sums its own memory in microseconds, and the host's cores are left to the update."""
+        return super()._grad_sums([g for g in self._owned_grads() if g is not None])
 
     def _upload(self, dev, master):
         """The updated fp32 master shard goes up, cast to the compute dtype. The cast is the
