@@ -102,6 +102,10 @@ def test_train_under_torchrun(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("zerolab train:") == 1, "only rank 0 prints the report"
     assert "world size 2" in out.stdout
+    # zl.launch ran train_worker in place on each of torchrun's two ranks (no ranks of its own) and
+    # handed every rank's result to rank 0, in rank order: one memory line per rank
+    rows = [l.split() for l in out.stdout.splitlines() if l.strip()[:1].isdigit() and "MiB" in l]
+    assert [r[0] for r in rows] == ["0", "1"], out.stdout
     # torchrun's agent's store listens on every interface whatever --master-addr says: the README
     # says that zerolab warns, once, on the node that hosts it
     assert out.stderr.count("torchrun's rendezvous store listens on every interface") == 1, out.stderr[-3000:]

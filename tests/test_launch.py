@@ -3,7 +3,6 @@
 import functools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -321,27 +320,8 @@ def test_notebook_defined_function_gets_a_clear_error():
     assert "Move it into a .py file" in out.stdout
 
 
-def test_torchrun_runs_in_place(tmp_path):
-    script = tmp_path / "under_torchrun.py"
-    script.write_text(textwrap.dedent("""
-        import os, zerolab as zl
-        def work():
-            return (zl.rank(), zl.world_size(), os.getpid())
-        values = zl.launch(work, world_size=2)
-        if zl.rank() == 0:
-            print("VALUES", [v[:2] for v in values], len({v[2] for v in values}))
-    """))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script)]
-    out = subprocess.run(torchrun, capture_output=True, text=True, timeout=180,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert "VALUES [(0, 2), (1, 2)] 2" in out.stdout, out.stdout + out.stderr
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# (under torchrun zl.launch runs fn in place on each rank and hands every rank's value back in rank
+# order: tests/test_cli.py's test_train_under_torchrun, whose report shows each rank's row)
 
 
 # ---- security: nothing a launch starts listens beyond loopback
