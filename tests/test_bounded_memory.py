@@ -53,6 +53,11 @@ def held_per_step(names, first=50, then=150):
     of its two halves' growth (a settling, torch's or a dict's table, happens once; a leak grows
     in both halves alike)."""
     schedule.EVENTS_KEPT = 64              # small windows: full after a few steps
+    # A full collection walks every object alive (torch's modules: half a second each time); frozen,
+    # what is alive before the first engine is left out of the walk. Each engine's own objects are
+    # younger, so every cycle a step leaves is still collected before each measurement
+    gc.collect()
+    gc.freeze()
     out = {}
     for name in names:
         eng = _engine(name)
@@ -80,6 +85,7 @@ def held_per_step(names, first=50, then=150):
         tracemalloc.stop()
         out[name] = min(held[1] - held[0], held[2] - held[1]) / (then // 2)
         del eng
+    gc.unfreeze()
     return out
 
 

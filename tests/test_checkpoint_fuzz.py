@@ -10,8 +10,6 @@ import hashlib
 import io
 import json
 import os
-import subprocess
-import sys
 from functools import partial
 
 import pytest
@@ -147,15 +145,17 @@ def test_the_next_save_removes_what_an_interrupted_save_left(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_save_directory_that_is_a_file_is_refused_before_training(tmp_path):
+def test_a_save_directory_that_is_a_file_is_refused_before_training(tmp_path, capsys):
+    from zerolab.__main__ import main
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
     with pytest.raises(CheckpointError, match="not a directory"):
         checkpoint.save(small_engine(), str(not_a_dir))
-    out = subprocess.run([sys.executable, "-m", "zerolab", "train", "--world-size", "1", "--steps", "2",
-                          "--save-every", "1", "--save-dir", str(not_a_dir), "--no-progress"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "not a directory" in out.stderr, out.stderr[-500:]
+    # the command line (its main(), in this process: refused before any rank starts)
+    code = main(["train", "--world-size", "1", "--steps", "2", "--save-every", "1", "--save-dir", str(not_a_dir),
+                 "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "not a directory" in err, err[-500:]
 
 
 @pytest.mark.parametrize("failing_write", [1, 2, 3], ids=["shard", "its descriptor", "metadata"])

@@ -9,8 +9,6 @@ command line, workers' output) run outside the 2-rank launch.
 """
 
 import io
-import subprocess
-import sys
 from functools import partial
 
 import pytest
@@ -276,11 +274,7 @@ def test_a_rank_that_runs_one_step_fewer_is_named_not_blamed_on_a_crash():
     assert "crash" not in str(e.value).split("no rank crashed")[0]
 
 
-def test_a_script_on_stdin_is_refused_with_what_to_do(tmp_path):
-    script = "import zerolab as zl\n\ndef f():\n    return 1\n\nif __name__ == '__main__':\n    zl.launch(f, 2)\n"
-    out = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path)
-    assert out.returncode != 0 and "Save the script to a file" in out.stderr
+# (a script on standard input is refused with what to do: tests/test_habits.py)
 
 
 def test_the_command_line_shows_its_defaults_and_helps_every_flag():

@@ -3,7 +3,6 @@
 import functools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -321,41 +320,8 @@ def test_notebook_defined_function_gets_a_clear_error():
     assert "Move it into a .py file" in out.stdout
 
 
-def test_script_main_functions_work(tmp_path):
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent("""
-        import zerolab as zl
-        import torch.distributed as dist
-        def work(x):
-            return x * 10 + dist.get_rank()
-        if __name__ == "__main__":
-            print(zl.launch(work, 2, args=(4,)))
-    """))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "[40, 41]", out.stderr
-
-
-def test_torchrun_runs_in_place(tmp_path):
-    script = tmp_path / "under_torchrun.py"
-    script.write_text(textwrap.dedent("""
-        import os, zerolab as zl
-        def work():
-            return (zl.rank(), zl.world_size(), os.getpid())
-        values = zl.launch(work, world_size=2)
-        if zl.rank() == 0:
-            print("VALUES", [v[:2] for v in values], len({v[2] for v in values}))
-    """))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script)]
-    out = subprocess.run(torchrun, capture_output=True, text=True, timeout=180,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert "VALUES [(0, 2), (1, 2)] 2" in out.stdout, out.stdout + out.stderr
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# (under torchrun zl.launch runs fn in place on each rank and hands every rank's value back in rank
+# order: tests/test_cli.py's test_train_under_torchrun, whose report shows each rank's row)
 
 
 # ---- security: nothing a launch starts listens beyond loopback
@@ -540,18 +506,22 @@ def test_a_rank_that_fails_while_starting_shows_its_traceback_in_the_error(tmp_p
     assert not list(scratch.iterdir()), "no start-up file or log left behind"
 
 
-def test_a_rank_that_cannot_be_started_is_reported_as_what_it_is(tmp_path):
-    # the fork server's socket removed (a clean-up of the temporary directory): the next rank
+def test_a_script_launches_its_own_function_then_a_rank_that_cannot_start_is_reported(tmp_path):
+    # a script's `if __name__ == "__main__":` launches a function the script defines; then the
+    # fork server's socket removed (a clean-up of the temporary directory): the next rank
     # cannot be started. Before, every exception while starting a rank was reported as "Every
     # argument in args must be picklable", this one included
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent("""
         import os
         from multiprocessing import forkserver
+        import torch.distributed as dist
         import zerolab as zl
         from zerolab.launch import LaunchError
+        def work(x):                    # a function of the script itself: the ranks import it
+            return x * 10 + dist.get_rank()
         if __name__ == "__main__":
-            assert zl.launch(zl.rank, 1) == [0]
+            print(zl.launch(work, 2, args=(4,)))
             os.remove(forkserver._forkserver._forkserver_address)
             try:
                 zl.launch(zl.rank, 1)
@@ -568,7 +538,8 @@ def test_a_rank_that_cannot_be_started_is_reported_as_what_it_is(tmp_path):
     """))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    socket_gone, unpicklable = out.stdout.strip().splitlines()[-2:]
+    script_main, socket_gone, unpicklable = out.stdout.strip().splitlines()[-3:]
+    assert script_main == "[40, 41]", out.stdout     # a script's own functions run on its ranks
     assert socket_gone.startswith("launch: could not start rank 0: the operating system refused "
                                   "(FileNotFoundError(2, 'No such file or directory'))"), socket_gone
     assert "fork server" in socket_gone and "picklable" not in socket_gone, socket_gone

@@ -14,7 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
+import zerolab as zl
+from zerolab.checkpoint import consolidate
+from zerolab.train import TrainConfig, train_worker
 
 pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
 
@@ -86,16 +88,13 @@ def test_two_nodes_train_lose_one_and_resume_on_one_node_as_if_never_stopped(tmp
     out = subprocess.run(line, capture_output=True, text=True, timeout=180, env=ENV)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "world size 1, 6 steps (resumed at step 2)" in out.stdout, out.stdout
-    # the run that never stopped: 2 ranks x 4 sequences under zl.launch
-    ref = subprocess.run([sys.executable, "-m", "zerolab", "train", "--world-size", "2", "--strategy", "zero2",
-                          "--batch-size", "4", "--save-every", "6", "--save-dir", straight, *SMALL],
-                         capture_output=True, text=True, timeout=180, env=ENV)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    for d in (ckpt, straight):
-        done = subprocess.run([sys.executable, "-m", "zerolab", "consolidate", d, d + ".pt"],
-                              capture_output=True, text=True, timeout=120, env=ENV)
-        assert done.returncode == 0, done.stderr
-    resumed, reference = (torch.load(d + ".pt", weights_only=True) for d in (ckpt, straight))
+    # the run that never stopped: 2 ranks x 4 sequences under zl.launch, from this process (no
+    # new interpreter to start: the command line's own path is tests/test_cli.py's), on CPU ranks
+    # as the nodes above; then both checkpoints consolidated here as `zerolab consolidate` does
+    cfg = TrainConfig(size="nano", strategy="zero2", world_size=2, steps=6, batch_size=4, save_every=6,
+                      save_dir=straight, collective_timeout=10).check()
+    zl.launch(train_worker, 2, args=(cfg, None), backend="gloo", output="none")
+    resumed, reference = consolidate(ckpt), consolidate(straight)
     assert resumed.keys() == reference.keys()
     # 1 rank and 2 ranks add the same gradients in a different order, and the losses of 4
     # AdamW steps are means over 8 sequences either way: measured max difference 1e-6; a resume

@@ -8,6 +8,8 @@ here from those files; nothing is measured.
 
 from __future__ import annotations
 
+import re
+
 from ..theory.cost_model import H100_PEAK_FLOPS
 
 # which engines answer the same question (the same states sharded): zerolab's, then its peers
@@ -122,9 +124,13 @@ def chapter11(fast: dict, chapters: dict, header) -> str:
 
 def chapter12(chapters: dict, header) -> str:
     ch = chapters["chapters"]["12_zeropp_and_hierarchy.ipynb"]
+    # the run compared: the cell's step count then (the chapter's own run may train fewer steps now)
+    steps = {n for c in ch["differing_cells"] for n in re.findall(r"of (\d+) steps", c["committed"])}
+    run = f", training the quantised options for {steps.pop()} steps" if len(steps) == 1 else ""
     lines = [header(ch.get("machine") or chapters["machine"]), "",
              f"The same cells on another machine's CPU (torch {(ch.get('machine') or chapters['machine'])['torch']}, "
-             "another processor): the parity lines print the same; the quantised runs' mean losses move in the "
+             f"another processor){run}, beside this machine's run of the same: the parity lines print the same; "
+             "the quantised runs' mean losses move in the "
              "third decimal, since rounding to int8 or int4 amplifies the last bits that another order of "
              "summation changes:", ""]
     for c in ch["differing_cells"]:
