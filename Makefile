@@ -38,9 +38,15 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	@touch $@
 
+# The suite runs in TEST_WORKERS pytest processes (pytest-xdist) that share its files: a test file,
+# or a notebook with all its cells in order in one kernel, goes to one worker (--dist loadscope).
+# Two keep both cores of a small machine busy while tests wait on a timeout or a new process;
+# TEST_WORKERS=0 runs everything in this one process.
+TEST_WORKERS ?= 2
+
 test: setup
 	$(PY) -m pytest tests chapters labs --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg \
-	  --nbval-cell-timeout=600 -p no:cacheprovider -q --durations=10
+	  --nbval-cell-timeout=600 -p no:cacheprovider -q --durations=10 -n $(TEST_WORKERS) --dist loadscope
 
 # the library's unit tests alone, in seconds: no test that launches ranks or processes (marked slow)
 test-fast: setup

@@ -398,14 +398,26 @@ def as_from_a_terminal():
         signal.signal(sig, signal.SIG_DFL)
 
 
+@pytest.fixture
+def scratch():
+    """An empty $TMPDIR for a launcher the test starts, with a short path: the fork server's socket
+    goes in it, and a Unix socket's path may be 107 bytes at most (pytest's tmp_path is longer
+    under pytest-xdist, whose workers add a directory of their own). Inside the suite's own
+    temporary directory, removed after the test."""
+    import pathlib
+    import shutil
+    import tempfile
+    path = pathlib.Path(tempfile.mkdtemp(prefix="zl-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
-def test_sigterm_or_sighup_to_the_parent_stops_the_ranks_and_removes_their_files(tmp_path, sig):
+def test_sigterm_or_sighup_to_the_parent_stops_the_ranks_and_removes_their_files(tmp_path, scratch, sig):
     script = tmp_path / "job.py"
     script.write_text("import sys\nsys.path.insert(0, %r)\nimport zerolab as zl\nfrom test_launch import sleep_forever\n"
                       "if __name__ == '__main__':\n    print('started', flush=True)\n    zl.launch(sleep_forever, 2)\n"
                       % os.path.dirname(__file__))
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "TMPDIR": str(scratch)}, preexec_fn=as_from_a_terminal)
     assert proc.stdout.readline().strip() == "started"
@@ -417,7 +429,7 @@ def test_sigterm_or_sighup_to_the_parent_stops_the_ranks_and_removes_their_files
     assert not left, left
 
 
-def test_a_signal_while_a_rank_starts_stops_that_rank_too(tmp_path):
+def test_a_signal_while_a_rank_starts_stops_that_rank_too(tmp_path, scratch):
     """SIGHUP arriving inside Process.start(), just after the second rank was started: before
     that rank is in the list of ranks to stop. It must be stopped too; otherwise it sleeps on,
     and Python's exit waits for it forever."""
@@ -435,8 +447,6 @@ def test_a_signal_while_a_rank_starts_stops_that_rank_too(tmp_path):
         "        os.kill(os.getpid(), signal.SIGHUP)\n"
         "L._main_module_hidden = hup_after_the_second_start\n"
         "if __name__ == '__main__':\n    zl.launch(sleep_forever, 2)\n" % os.path.dirname(__file__))
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
     proc = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "TMPDIR": str(scratch)},
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=as_from_a_terminal)
@@ -458,14 +468,12 @@ def sleep_ignoring_sigterm():
     time.sleep(3600)
 
 
-def test_a_second_ctrl_c_during_the_clean_up_leaves_nothing_behind(tmp_path):
+def test_a_second_ctrl_c_during_the_clean_up_leaves_nothing_behind(tmp_path, scratch):
     script = tmp_path / "job.py"
     script.write_text("import sys\nsys.path.insert(0, %r)\nimport zerolab as zl\n"
                       "from test_launch import sleep_ignoring_sigterm\n"
                       "if __name__ == '__main__':\n    print('started', flush=True)\n"
                       "    zl.launch(sleep_ignoring_sigterm, 2)\n" % os.path.dirname(__file__))
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "TMPDIR": str(scratch)},
                             preexec_fn=as_from_a_terminal)
@@ -490,13 +498,11 @@ def test_a_second_ctrl_c_during_the_clean_up_leaves_nothing_behind(tmp_path):
      "if __name__ == '__main__':\n    zl.launch(f, 2)\n",
      "ImportError: needs the main process"),
 ])
-def test_a_rank_that_fails_while_starting_shows_its_traceback_in_the_error(tmp_path, body, words):
+def test_a_rank_that_fails_while_starting_shows_its_traceback_in_the_error(tmp_path, scratch, body, words):
     # before fn runs, a rank's output is not yet redirected to its files: without
     # zerolab.launch.startup the error said only "exited with code 1"
     script = tmp_path / "job.py"
     script.write_text("import zerolab as zl\n" + body)
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "TMPDIR": str(scratch)})
     assert out.returncode != 0
@@ -504,6 +510,20 @@ def test_a_rank_that_fails_while_starting_shows_its_traceback_in_the_error(tmp_p
     assert "exited with code 1 before returning a result" in error, out.stderr[-2000:]
     assert "it failed while starting (before fn was called)" in error and words in error, error
     assert not list(scratch.iterdir()), "no start-up file or log left behind"
+
+
+def test_a_tmpdir_too_long_for_the_fork_servers_socket_says_so(tmp_path):
+    # the fork server listens on a Unix socket in $TMPDIR, whose path may be ~107 bytes at most:
+    # the error names $TMPDIR and what to do, not a missing fork server
+    long_dir = tmp_path / ("d" * 60) / ("e" * 60)
+    long_dir.mkdir(parents=True)
+    script = tmp_path / "job.py"
+    script.write_text("import zerolab as zl\ndef f():\n    return 1\n"
+                      "if __name__ == '__main__':\n    zl.launch(f, 2)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TMPDIR": str(long_dir)})
+    assert out.returncode != 0
+    assert "Set TMPDIR to a shorter directory" in out.stderr and str(long_dir) in out.stderr, out.stderr[-2000:]
 
 
 def test_a_script_launches_its_own_function_then_a_rank_that_cannot_start_is_reported(tmp_path):
@@ -688,17 +708,8 @@ def _descendants(pid):
     return kids
 
 
-def test_a_launcher_killed_with_sigkill_leaves_no_process_and_no_file(tmp_path):
-    import pathlib
-    import shutil
-    import tempfile
-    # a short $TMPDIR: the fork server's socket is in the launcher's directory, within a Unix
-    # socket's 108 bytes (under a long one it is multiprocessing's pymp-* directory again)
-    scratch = pathlib.Path(tempfile.mkdtemp(prefix="zl-test-", dir="/tmp"))
-    try:
-        _launcher_killed(tmp_path, scratch)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+def test_a_launcher_killed_with_sigkill_leaves_no_process_and_no_file(tmp_path, scratch):
+    _launcher_killed(tmp_path, scratch)
 
 
 def _launcher_killed(tmp_path, scratch):

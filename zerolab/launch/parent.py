@@ -313,6 +313,12 @@ def _start_failure(r: int, exc: Exception) -> str:
     if isinstance(exc, pickle.PicklingError) or "pickle" in str(exc).lower():
         return (f"launch: could not start rank {r}: {exc!r}. Every argument in args must be picklable "
                 "(tensors, numbers, dataclasses...).")
+    if isinstance(exc, OSError) and "path too long" in str(exc):
+        import tempfile
+        return (f"launch: could not start rank {r}: the fork server's socket cannot be made in $TMPDIR "
+                f"({tempfile.gettempdir()!r}, {len(tempfile.gettempdir())} characters): a Unix socket's "
+                "path may be about 100 characters at most. Nothing of fn ran. Set TMPDIR to a shorter "
+                "directory (TMPDIR=/tmp, say) and run again.")
     if isinstance(exc, OSError):
         return (f"launch: could not start rank {r}: the operating system refused ({exc!r}); nothing of fn "
                 "ran. The fork server that starts the ranks may be gone (its socket removed, e.g. by a "
