@@ -83,9 +83,27 @@ def deepspeed_config(stage, batch, bucket_mb, *, bf16=False, overlap=False, adam
 
 def quiet_deepspeed():
     """DeepSpeed logs to stdout with a timestamp on every line: keep only its errors, so what
-    a run prints is the same from one run to the next."""
+    a run prints is the same from one run to the next. And it is not made to compile what its
+    training does not use (below)."""
     import logging
+    skip_shared_memory_op()     # (first: importing DeepSpeed sets its logger's level)
     ds_logger = logging.getLogger("DeepSpeed")
     ds_logger.setLevel(logging.ERROR)
     for handler in ds_logger.handlers:
         handler.setLevel(logging.ERROR)
+
+
+def skip_shared_memory_op():
+    """On a CPU, DeepSpeed's communication backend compiles a C++ op at start-up (its shared-memory
+    all-reduce, deepspeed_shm_comm): half a minute of compiling in every new environment, since
+    the build is keyed on the paths of this Python's torch. Only inference_all_reduce uses it;
+    ZeRO's training collectives are torch.distributed's. Marked incompatible, the op is not built
+    (inference_all_reduce would fall back to torch.distributed's all_reduce): the engines compared
+    run exactly the same code."""
+    try:
+        import deepspeed.ops
+        compatible = deepspeed.ops.__compatible_ops__
+    except Exception:  # noqa: BLE001 - no DeepSpeed, or another version's layout: nothing to skip
+        return
+    if isinstance(compatible, dict):
+        compatible["deepspeed_shm_comm"] = False
