@@ -35,6 +35,7 @@ import random
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import multiprocessing as mp
@@ -314,11 +315,11 @@ def _start_failure(r: int, exc: Exception) -> str:
         return (f"launch: could not start rank {r}: {exc!r}. Every argument in args must be picklable "
                 "(tensors, numbers, dataclasses...).")
     if isinstance(exc, OSError) and "path too long" in str(exc):
-        import tempfile
+        where = tempfile.gettempdir()
         return (f"launch: could not start rank {r}: the fork server's socket cannot be made in $TMPDIR "
-                f"({tempfile.gettempdir()!r}, {len(tempfile.gettempdir())} characters): a Unix socket's "
-                "path may be about 100 characters at most. Nothing of fn ran. Set TMPDIR to a shorter "
-                "directory (TMPDIR=/tmp, say) and run again.")
+                f"({where!r}, {len(where)} characters): a Unix socket's path may be "
+                f"{launch_tempdir.SOCKET_PATH_MAX - 1} bytes at most, file name included. Nothing of fn "
+                "ran. Set TMPDIR to a shorter directory (TMPDIR=/tmp, say) and run again.")
     if isinstance(exc, OSError):
         return (f"launch: could not start rank {r}: the operating system refused ({exc!r}); nothing of fn "
                 "ran. The fork server that starts the ranks may be gone (its socket removed, e.g. by a "

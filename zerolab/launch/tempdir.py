@@ -30,7 +30,7 @@ PREFIX = "zerolab-launch-"
 _NAME = re.compile(re.escape(PREFIX) + r"(\d+)-[A-Za-z0-9_]+$")
 _mine: dict = {}    # pid -> this process's directory (a fork of it makes its own)
 # sun_path, the longest path of a Unix socket (with its final NUL): 108 bytes on Linux, 104 on macOS
-_SOCKET_PATH_MAX = 108 if sys.platform.startswith("linux") else 104
+SOCKET_PATH_MAX = 108 if sys.platform.startswith("linux") else 104
 
 
 def private_dir() -> str:
@@ -46,7 +46,7 @@ def private_dir() -> str:
         # unless this process's multiprocessing already has a directory, or the socket's path
         # would be longer than a Unix socket's path may be (a long $TMPDIR)
         config = getattr(mp.current_process(), "_config", None)
-        if isinstance(config, dict) and config.get("tempdir") is None and len(path) + len("/listener-12345678") < _SOCKET_PATH_MAX:
+        if isinstance(config, dict) and config.get("tempdir") is None and len(path) + len("/listener-12345678") < SOCKET_PATH_MAX:
             config["tempdir"] = path
     return _mine[pid]
 
