@@ -3,8 +3,12 @@ own DistributedDataParallel, on the GPT and on AwkwardModel (odd sizes, a frozen
 unused branch, a weight used twice, tied weights)."""
 
 
+import contextlib
+import functools
+
 import pytest
 import torch
+import torch.utils.checkpoint
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
@@ -276,6 +280,84 @@ def test_no_sync_keeps_gradients_of_a_branch_only_early_micro_batches_used():
     eng.zero_grad()
     eng.backward(eng(x, False).pow(2).mean())   # now the branch is truly unused: no gradient
     assert model.branch.weight.grad is None and model.trunk.weight.grad is not None
+
+
+class SharedInAndOut(torch.nn.Module):
+    """One layer used inside two reentrant activation checkpoints and once after them: in one
+    backward its gradient reaches the engine in three parts, the outer one first. And a branch
+    that only some micro-batches use."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.shared, self.out, self.branch = (torch.nn.Linear(8, 8) for _ in range(4))
+
+    def block(self, x):
+        return torch.tanh(self.shared(x))
+
+    def forward(self, x, use_branch):
+        x = self.inp(x)
+        for _ in range(2):
+            x = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=True)
+        x = self.out(torch.tanh(self.shared(x)))
+        return self.branch(x) if use_branch else x
+
+
+def _rows(step, rank, micro):
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + 10 * rank + micro))
+
+
+PART_RANKS = 3      # not a power of two: there dividing each part rounds unlike dividing their sum
+EVERY = tuple(range(PART_RANKS))
+PART_SGD = functools.partial(torch.optim.SGD, lr=0.1)   # (not Adam: it would amplify round-off, see OPT)
+# Steps; in each, its micro-batches in order (all but the last under no_sync), each given as the
+# ranks that use the branch. The last step's gradients are compared.
+PARTS = {"one backward": [((),)],
+         "branch in the last micro-batch only": [((), EVERY)],
+         "branch in the first micro-batch only": [(EVERY, ())],
+         "branch on rank 0 only, a step after every rank used it": [(EVERY,), ((0,),)]}
+
+
+def worker_parts():
+    rank = dist.get_rank()
+    grads = {}
+    for case, steps in PARTS.items():
+        model = SharedInAndOut()
+        eng = zl.DDP(model, PART_SGD)     # one bucket: a gradient's three parts all arrive before it leaves
+        for s, micro in enumerate(steps):
+            if s:
+                eng.step()
+                eng.zero_grad()
+            for m, users in enumerate(micro):
+                with eng.no_sync() if m < len(micro) - 1 else contextlib.nullcontext():
+                    eng(_rows(s, rank, m), rank in users).pow(2).mean().backward()
+        grads[case] = {k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()}
+    return grads
+
+
+def test_a_gradient_in_parts_or_in_micro_batches_is_averaged_whole():
+    # a gradient that reaches its bucket in parts (reentrant checkpointing: three here, the outer
+    # one first) or over micro-batches (no_sync) is averaged whole, each part divided by N once;
+    # a slot this rank's backward did not reach sends zeros, not last step's gradient
+    n = PART_RANKS
+    res = zl.launch(worker_parts, n, timeout=120)
+    for case, steps in PARTS.items():
+        ref = SharedInAndOut()            # one process, every rank's micro-batches: the global mean
+        opt = PART_SGD(ref.parameters())
+        for s, micro in enumerate(steps):
+            if s:
+                opt.step()
+                opt.zero_grad()
+            for r in range(n):
+                for m, users in enumerate(micro):
+                    (ref(_rows(s, r, m), r in users).pow(2).mean() / n).backward()
+        for rank, got in enumerate(res):
+            for k, p in ref.named_parameters():
+                if p.grad is None:
+                    assert got[case][k] is None, (case, k)
+                else:   # fp32, summed in another order
+                    torch.testing.assert_close(got[case][k], p.grad, rtol=1e-5, atol=1e-7,
+                                               msg=lambda m: f"{case}, rank {rank}, {k}: {m}")
 
 
 def test_bad_input_single_process():
