@@ -210,10 +210,7 @@ class DDP(NaiveDDP):
         self._ready_to_reduce(b, bucket.grad)
         if b == len(self._flats) - 1:   # the last one carries the "has a gradient" flags
             self._held = [p.grad is v for p, v in zip(self.params, self._grad_views)]
-            if all(self._held):         # (filled in place: on a GPU, a copy from a Python list
-                buf[bucket.padded_numel:].fill_(1)    # would wait for all of backward's kernels)
-            else:
-                buf[bucket.padded_numel:] = torch.tensor(self._held, dtype=buf.dtype)
+            buf[bucket.padded_numel:] = torch.tensor(self._held, dtype=buf.dtype)
         return self.comm.all_reduce(buf, async_op=True, tag=f"bucket{b}")
 
     def _wait_oldest(self):
