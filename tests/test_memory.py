@@ -128,6 +128,21 @@ def test_allocation_tracker_sees_allocations_and_frees():
     del b, c, d
 
 
+def test_allocation_tracker_counts_new_results_of_an_op_that_also_updates_an_input():
+    # batch norm in training updates its running statistics in place (the schema says so: "a!")
+    # AND returns new tensors; in-place, out= and view operations, whose results are their
+    # inputs, allocate nothing (the tracker skips them by their schema)
+    x, mean, var = torch.randn(32, 16), torch.zeros(16), torch.ones(16)
+    with memory.AllocationTracker(record_trace=True) as tr:
+        y = torch.ops.aten._native_batch_norm_legit.default(x, None, None, mean, var, True, 0.1, 1e-5)[0]
+        y.mul_(2)                         # in place
+        torch.mul(y, 2, out=y)            # out=
+        y.view(16, 32)                    # a view
+    assert [e.delta for e in tr.trace if e.delta > 0] == [32 * 16 * 4, 16 * 4, 16 * 4], tr.trace
+    assert tr.current == 32 * 16 * 4     # (the batch's mean and inverse std were dropped)
+    del y
+
+
 def test_peak_memory_of_a_matmul_chain():
     x = torch.randn(64, 64)
     with memory.PeakMemory("cpu") as pk:

@@ -218,6 +218,8 @@ class AllocationTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if not _may_allocate(func):
+            return out          # in place, out=, a view, or nothing returned: no new storage
         inputs = None           # the inputs' storages, read only if an output might be new
         for t in _tensors(out):
             if t.device.type == "meta":
@@ -237,6 +239,19 @@ class AllocationTracker(TorchDispatchMode):
                 self.trace.append(TraceEvent(len(self.trace), nbytes, str(func), self.allocations))
             weakref.finalize(t.untyped_storage(), self._freed, key, self.allocations)
         return out
+
+
+_ALLOCATES: dict = {}    # aten operation -> may it return a tensor that is not one of its inputs?
+
+
+def _may_allocate(func) -> bool:
+    """False when the operation's schema says every result aliases an input (mul_, div.out, view,
+    a foreach update that returns nothing): most of an optimizer step, skipped without looking
+    at its tensors. Asked once per operation."""
+    allocates = _ALLOCATES.get(func)
+    if allocates is None:
+        allocates = _ALLOCATES[func] = not all(r.alias_info is not None for r in func._schema.returns)
+    return allocates
 
 
 def _tensors(tree):
