@@ -106,7 +106,7 @@ def test_nan_loss_raises_with_step():
 
 def test_memory_report_measures_16_bytes_per_param():
     model = _gpt()
-    engine = SingleProcess(model, ADAMW, precision="fp16")
+    engine = SingleProcess(model, ADAMW, precision="fp16", track_peak=True)
     ds = zl.data.CharDataset(32)
     _, loss = zl.models.gpt_loss(engine, ds.batch(0, 8))
     engine.backward(loss)

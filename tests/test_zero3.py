@@ -118,7 +118,7 @@ def run_fsdp2(kind, rank, n):
 def measure(rank, n):
     """Memory, peak and bytes of one GPT step (the third: Adam's moments exist), ZeRO3 and DDP."""
     model, data, loss_fn, B = build("gpt", 0)
-    eng = ZeRO3(model, OPT)     # track_peak: step() measures the optimizer update's own peak
+    eng = ZeRO3(model, OPT, track_peak=True)     # step() measures the optimizer update's own peak
     train(eng, "gpt", rank, n, steps=2)
     eng.comm.reset()
     batch = data.batch(2, B, rank, n)

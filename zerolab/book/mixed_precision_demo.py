@@ -214,7 +214,8 @@ def memory_per_param(precision: str = "fp16", size: str = "nano") -> dict:
     their sum: the most the step holds."""
     model = make_model(0, size)
     n = models.num_params(model)
-    engine = SingleProcess(model, functools.partial(torch.optim.AdamW, lr=1e-3), precision=precision)
+    engine = SingleProcess(model, functools.partial(torch.optim.AdamW, lr=1e-3), precision=precision,
+                           track_peak=True)     # step() measures its own peak
     ds = data.CharDataset(model.cfg.block_size)
     for step in range(2):
         _, loss = models.gpt_loss(engine, ds.batch(step, 8))

@@ -37,7 +37,7 @@ def zero3_run(size="nano", prefetches=(1,), steps=3):
     data = CharDataset(gpt_config(size).block_size)
     out = {}
     for pf in prefetches:
-        eng = ZeRO3(_model(size), OPT, prefetch=pf)   # track_peak: step() measures its own peak
+        eng = ZeRO3(_model(size), OPT, prefetch=pf, track_peak=True)   # step() measures its own peak
         for s in range(steps):
             last = s == steps - 1
             if last:

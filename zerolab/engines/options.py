@@ -46,7 +46,8 @@ class Training:
     precision: str = "fp32"
     scaler: object = None               # fp16: a zl.precision.LossScaler (None: the default one; False: none)
     max_grad_norm: float | None = None  # clip the whole gradient's norm at every step
-    track_peak: bool = True             # measure each step's peak memory
+    track_peak: bool = False            # measure each step's peak memory: a dispatch mode sees every
+    #   operation of the step, which costs milliseconds per step on a CPU (memory_report()'s peak)
     track_activations: bool | None = None   # measure what each forward leaves (None: with ZeRO-R)
     broadcast_buffers: bool = True      # rank 0's buffers at the forward after a training forward
 

@@ -69,13 +69,14 @@ class EngineState:
 
     def memory_report(self) -> dict:
         """MEASURED bytes on this rank: params, grads, optimizer (fp32 masters + moments), total
-        (those three), peak (of the last step), activations (left alive by the last forward;
-        None where the engine does not track them)."""
+        (those three), peak (allocated during the last step, above what it began with; None
+        unless the engine was built with track_peak=True), activations (left alive by the last
+        forward; None where the engine does not track them)."""
         params, grads, optimizer = self._memory_tensors()
         out = {"params": live_bytes(params), "grads": live_bytes(grads, exclude=params),
                "optimizer": live_bytes(optimizer, exclude=params + grads)}
         out["total"] = out["params"] + out["grads"] + out["optimizer"]
-        out["peak"] = self.last_peak
+        out["peak"] = self.last_peak if self.track_peak else None
         out["activations"] = self.last_activations
         return out
 
