@@ -16,10 +16,11 @@ they travel. What does not differ lives here:
 * a step is optimizer.step(), whoever calls it (engine.step() does too): PyTorch's step hooks
   run the engine's parts around the optimizer's own update (param_groups.hand_over).
   `_before_update` refuses gradients it should not apply (none, fp16 unscaled, never averaged),
-  starts measuring the step's peak memory and prepares the update: the fp32 gradients of what
-  the optimizer updates (`_step_grads`), one finite check (`_grads_finite`), clipping, then each
-  tensor the optimizer holds gets its gradient (`_hand_grads`; a parameter no rank reached
-  keeps None, so the optimizer skips it, as one process does). The optimizer updates. Then
+  starts measuring the step's peak memory (with track_peak=True) and prepares the update: the
+  fp32 gradients of what the optimizer updates (`_step_grads`), one finite check (`_grads_finite`),
+  clipping, then each tensor the optimizer holds gets its gradient (`_hand_grads`; a parameter
+  no rank reached keeps None, so the optimizer skips it, as one process does). The optimizer
+  updates. Then
   `_after_update` publishes the updated masters to the compute copies (`_publish`: a cast, an
   all-gather, ...);
 * zero_grad() drops the gradients (`_release_grads`) and resets the guards;

@@ -4,8 +4,8 @@ A mixin of engines.base.Engine. A step is optimizer.step(), whoever calls it (en
 too): PyTorch's step hooks, registered by engines.param_groups.hand_over, run
 
     _before_update   refuse gradients it should not apply (none, fp16 unscaled, never averaged,
-                     a torch.amp.GradScaler on fp32 masters), start measuring the step's peak,
-                     then _prepare_update: the fp32 gradients of what the optimizer updates
+                     a torch.amp.GradScaler on fp32 masters), start measuring the step's peak
+                     (track_peak=True), then _prepare_update: the fp32 gradients of what the optimizer updates
                      (_step_grads), one finite check (_grads_finite), clipping, and each tensor
                      the optimizer holds gets its gradient (_hand_grads);
     (the optimizer's own update: the tensors that were handed a gradient)
