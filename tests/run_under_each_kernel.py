@@ -19,12 +19,35 @@ import time
 CANDIDATES = ("default", "avx2", "avx512", "sve256")   # x86-64 sets, then Arm's SVE
 
 
-def capability_in_effect(asked: str) -> str:
-    """What torch actually uses when asked for `asked` (it falls back when the CPU lacks it)."""
+# The CPU flag each set needs (Linux's /proc/cpuinfo names). torch takes ATEN_CPU_CAPABILITY at its
+# word on some machines (a virtual machine whose CPU hides AVX-512 from its flags, say): its kernels
+# then die of SIGILL in the middle of the suite, so the flags are read as well.
+NEEDS_FLAG = {"avx2": "avx2", "avx512": "avx512f", "sve256": "sve"}
+# a few vectorised kernels of each kind (elementwise, reductions, a loss, softmax, a matmul)
+PROBE = ("import torch; x = torch.randn(4096, requires_grad=True); "
+         "torch.nn.functional.mse_loss(x.exp().sin(), x.detach()).backward(); "
+         "torch.softmax(x.detach().view(64, 64) @ x.detach().view(64, 64), -1).sum().item(); "
+         "print(torch.backends.cpu.get_cpu_capability())")
+
+
+def cpu_flags() -> set | None:
+    """The CPU's flags from /proc/cpuinfo (None where there is no such file)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return {w for line in f if line.startswith(("flags", "Features")) for w in line.split(":", 1)[1].split()}
+    except OSError:
+        return None
+
+
+def capability_in_effect(asked: str) -> str | None:
+    """What torch actually uses when asked for `asked` (it falls back when the CPU lacks it), or
+    None when the CPU lacks it and torch uses it all the same."""
+    flags = cpu_flags()
+    if flags is not None and asked in NEEDS_FLAG and NEEDS_FLAG[asked] not in flags:
+        return None
     env = dict(os.environ, ATEN_CPU_CAPABILITY=asked)
-    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
-                         env=env, capture_output=True, text=True, check=True)
-    return out.stdout.strip().lower()
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True)
+    return out.stdout.strip().lower() if out.returncode == 0 else None
 
 
 def summary(log: str) -> str:
