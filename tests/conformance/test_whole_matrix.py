@@ -16,8 +16,8 @@ can round to a neighbouring bf16 value, and the iteration then amplifies the dif
 a^5 ~ 480 along the smallest singular directions): 4.9e-3 on the weights at 4 ranks under PyTorch's
 plain kernels (ATEN_CPU_CAPABILITY=default), below 1e-6 under AVX-512. Both sides of every
 comparison here therefore run the same iteration in fp32 (newton_schulz_in_fp32); 1e-5 is then the
-tolerance for fp32 round-off, while a matrix stepped in pieces instead of whole differs by about
-the update itself (lr x 1/sqrt(width), ~1e-2 here).
+tolerance for fp32 round-off, while matrices stepped in pieces instead of whole differ by 4e-3 to
+6e-3 (Adafactor at 2 and 4 ranks; torch's Muon refuses a piece outright).
 
 Also checked in the same launch: the optimizer's state dict is the whole model's (each cut matrix's
 Muon momentum and Adafactor statistics whole, from its owner), a run resumed from it lands where the
