@@ -27,7 +27,8 @@ STAGES = (0, 1, 2, 3)
 def _engine(stage, size, bucket_mb):
     torch.manual_seed(0)
     model = GPT(gpt_config(size))
-    return engines.make("ddp" if stage == 0 else f"zero{stage}", model, OPT, bucket_mb=bucket_mb, track_peak=True)
+    return engines.make("ddp" if stage == 0 else f"zero{stage}", model, OPT, bucket_mb=bucket_mb,
+                        track_peak=True)      # the step's peak is one of the columns
 
 
 def scaling_worker(size="tiny", batch=2, steps=4, bucket_mb=0.25):

@@ -20,9 +20,8 @@ they travel. What does not differ lives here:
   fp32 gradients of what the optimizer updates (`_step_grads`), one finite check (`_grads_finite`),
   clipping, then each tensor the optimizer holds gets its gradient (`_hand_grads`; a parameter
   no rank reached keeps None, so the optimizer skips it, as one process does). The optimizer
-  updates. Then
-  `_after_update` publishes the updated masters to the compute copies (`_publish`: a cast, an
-  all-gather, ...);
+  updates. Then `_after_update` publishes the updated masters to the compute copies (`_publish`:
+  a cast, an all-gather, ...);
 * zero_grad() drops the gradients (`_release_grads`) and resets the guards;
 * where the engine is (forward, in backward, reduced, accumulated inside no_sync, stepped) and
   what each call may do is one object, engines.lifecycle.Lifecycle (`self.life`);

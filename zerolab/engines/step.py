@@ -5,9 +5,9 @@ too): PyTorch's step hooks, registered by engines.param_groups.hand_over, run
 
     _before_update   refuse gradients it should not apply (none, fp16 unscaled, never averaged,
                      a torch.amp.GradScaler on fp32 masters), start measuring the step's peak
-                     (track_peak=True), then _prepare_update: the fp32 gradients of what the optimizer updates
-                     (_step_grads), one finite check (_grads_finite), clipping, and each tensor
-                     the optimizer holds gets its gradient (_hand_grads);
+                     (track_peak=True), then _prepare_update: the fp32 gradients of what the
+                     optimizer updates (_step_grads), one finite check (_grads_finite), clipping,
+                     and each tensor the optimizer holds gets its gradient (_hand_grads);
     (the optimizer's own update: the tensors that were handed a gradient)
     _after_update    the compute copies catch up with the masters (_land_update -> _publish: a
                      cast, an all-gather...), the step's gradients go, the loss scale moves on.
