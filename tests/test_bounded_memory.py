@@ -1,18 +1,18 @@
 """A long run holds the same Python memory at every step: the ledger keeps running totals and a
 window of recent records, ZeRO-3 a window of recent events; nothing else grows with the steps.
 
-Each engine trains a small model for a few hundred steps with its windows made small (so that
-they are full after a few steps), and tracemalloc measures the Python memory still held after
-80 steps, 155 and 230: the smaller growth of the two windows, per step, must be less than one
-ledger record's (a leak grows in both; a one-off settling, such as a dict's table doubling, in one). Before, every step kept its
-ledger records and ZeRO-3's events (7.2 KB a step on a tiny GPT). The windows' own bound and the
+Each engine trains a small model with its windows made small (so that they are full after a few
+steps), and the Python objects the garbage collector tracks are counted after 50 steps, 80 and 110
+(gc.get_objects(), after a collection): a ledger record or a ZeRO-3 event kept per collective is
+one more such object each time, 4 to 9 a step here, while a loop that keeps nothing holds exactly
+as many at every count (measured: no change on any engine, at most one object once). tracemalloc
+also measures the bytes those steps leave held, which catches what no tracked object carries (a
+list of floats, a growing string), but only in bulk: freed and made again each step, torch's
+tensors and argument tuples leave 90-590 bytes a step held over such short windows, settling
+slowly (it falls to about 20 a step over hundreds of steps), so the bound there is 1 KB a step.
+Before the windows existed, every step kept its ledger records and ZeRO-3's events (1.3 to 2.7
+KB and 4 to 9 objects a step on this model: both bounds fail it). The windows' own bound and the
 totals' exactness are checked separately, against a count kept by the test.
-
-The engines trace each step's peak (track_peak=True), as they did by default when these bounds were
-set. Without the tracer the same loops settle more slowly: 200-600 bytes a step over steps 30-230,
-then 50-75, 40-55 and about 20 over the next three 200-step windows (declining, so not a leak; the
-blocks are tensors' Python objects made at each step, and what keeps some of them a while was not
-found), which puts the window measured here within reach of the bound.
 """
 
 import functools
@@ -37,12 +37,12 @@ def _engine(name):
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
                                 torch.nn.Tanh(), torch.nn.Linear(32, 4))
     if name == "single":
-        return zl.SingleProcess(model, SGD, track_peak=True)
+        return zl.SingleProcess(model, SGD)
     if name == "naive":
-        return zl.NaiveDDP(model, SGD, track_peak=True)
+        return zl.NaiveDDP(model, SGD)
     if name == "ddp":
-        return zl.DDP(model, SGD, bucket_mb=0.001, track_peak=True)     # several buckets
-    return zl.ZeRO(model, SGD, stage=int(name[-1]), bucket_mb=0.001, track_peak=True)
+        return zl.DDP(model, SGD, bucket_mb=0.001)     # several buckets
+    return zl.ZeRO(model, SGD, stage=int(name[-1]), bucket_mb=0.001)
 
 
 def _held() -> int:
@@ -54,10 +54,11 @@ def _held() -> int:
     return sum(stat.size for stat in kept.statistics("filename"))
 
 
-def held_per_step(names, first=50, then=150):
-    """{engine: Python bytes still held, per step, over `then` steps after 30 + `first`: the smaller
-    of its two halves' growth (a settling, torch's or a dict's table, happens once; a leak grows
-    in both halves alike)."""
+def grown_per_step(names, first=20, window=30):
+    """{engine: (bytes, objects)}: how much Python memory (tracemalloc) and how many objects the
+    garbage collector tracks the engine's loop leaves held per step, over two windows of `window`
+    steps after 30 + `first`; of each, the smaller of the two windows' growth (a settling, torch's
+    or a dict's table, happens once; a leak grows in both alike)."""
     schedule.EVENTS_KEPT = 64              # small windows: full after a few steps
     # A full collection walks every object alive (torch's modules: half a second each time); frozen,
     # what is alive before the first engine is left out of the walk. Each engine's own objects are
@@ -82,14 +83,15 @@ def held_per_step(names, first=50, then=150):
         gc.collect()
         tracemalloc.start()
         steps(first, 30)
-        gc.collect()
-        held = [_held()]
-        for window in range(2):         # two windows: a leak grows in both, a settling in one
-            steps(then // 2, 30 + first + window * (then // 2))
+        held, objects = [], []
+        for w in range(3):              # two windows between three counts
+            if w:
+                steps(window, 30 + first + (w - 1) * window)
             gc.collect()
             held.append(_held())
+            objects.append(len(gc.get_objects()))
         tracemalloc.stop()
-        out[name] = min(held[1] - held[0], held[2] - held[1]) / (then // 2)
+        out[name] = tuple(min(c[1] - c[0], c[2] - c[1]) / window for c in (held, objects))
         del eng
     gc.unfreeze()
     return out
@@ -97,13 +99,13 @@ def held_per_step(names, first=50, then=150):
 
 @pytest.mark.slow
 def test_python_memory_per_step_does_not_grow_on_any_engine():
-    results = zl.launch(held_per_step, 2, args=(ENGINES,))
+    results = zl.launch(grown_per_step, 2, args=(ENGINES,))
     for rank, per_step in enumerate(results):
-        for name, grown in per_step.items():
-            # before: 1.5 KB a step (DDP) to 2.8 KB (ZeRO-3) on this model, one ledger record alone
-            # ~200 bytes; what remains (tens of bytes a step over 150 steps) is torch's caches
-            # settling, and it shrinks as the run goes on
-            assert grown < 200, f"rank {rank}, {name}: {grown:.0f} bytes more Python memory per step"
+        for name, (grown, objects) in per_step.items():
+            # a record or an event kept per collective: 4 to 9 objects a step; a loop that keeps
+            # nothing: none (the count is exact, whatever the machine)
+            assert objects < 1 / 3, f"rank {rank}, {name}: {objects:.2f} more Python objects per step"
+            assert grown < 1024, f"rank {rank}, {name}: {grown:.0f} bytes more Python memory per step"
 
 
 def test_the_ledger_keeps_a_window_of_records_and_exact_totals():
