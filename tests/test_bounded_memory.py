@@ -7,9 +7,10 @@ steps), and the Python objects the garbage collector tracks are counted after 50
 one more such object each time, 4 to 9 a step here, while a loop that keeps nothing holds exactly
 as many at every count (measured: no change on any engine, at most one object once). tracemalloc
 also measures the bytes those steps leave held, which catches what no tracked object carries (a
-list of floats, a growing string), but only in bulk: freed and made again each step, torch's
-tensors and argument tuples leave 90-590 bytes a step held over such short windows, settling
-slowly (it falls to about 20 a step over hundreds of steps), so the bound there is 1 KB a step.
+list of floats, a growing string), but only in bulk: blocks of 59 and 73 bytes allocated under
+torch's calls (torch.tensor, an op's dispatch), which no Python object refers to, stay held for a
+while, 90-590 bytes a step over such short windows, slowly fewer (about 20 a step after hundreds
+of steps): not a leak, but it sets the bound there at 1 KB a step.
 Before the windows existed, every step kept its ledger records and ZeRO-3's events (1.3 to 2.7
 KB and 4 to 9 objects a step on this model: both bounds fail it). The windows' own bound and the
 totals' exactness are checked separately, against a count kept by the test.
