@@ -69,8 +69,10 @@ def deepspeed_config(stage, batch, bucket_mb, *, bf16=False, overlap=False, adam
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if overlap:
         zero.update(overlap_comm=True, contiguous_gradients=True)
+    # gradient_clipping: DeepSpeed clips the gradient's norm to 1.0 unless told otherwise
+    # (GRADIENT_CLIPPING_DEFAULT, deepspeed/runtime/constants.py); no other engine here clips
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
-              "steps_per_print": 10 ** 9}
+              "steps_per_print": 10 ** 9, "gradient_clipping": 0.0}
     if bf16:
         config["bf16"] = {"enabled": True}
     if adamw_lr is None:
