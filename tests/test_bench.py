@@ -159,7 +159,8 @@ def test_the_gpu_runs_deepspeed_configs_come_from_the_same_place():
     bucket = int(25.0 * 2 ** 20 / 2)            # 25 MiB of bf16, in elements
     assert bench.deepspeed_config(3, 8, 25.0, bf16=True, overlap=True) == {
         "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
-        "bf16": {"enabled": True}, "steps_per_print": 10 ** 9, "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": True}, "steps_per_print": 10 ** 9, "gradient_clipping": 0.0,
+        "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": 3, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
                               "overlap_comm": True, "contiguous_gradients": True}}
     assert bench.deepspeed_config(2, 8, 25.0, bf16=True, overlap=True, adamw_lr=3e-4) == {

@@ -208,9 +208,9 @@ def main(argv=None, plot=None):
     print()
     print(format_table(s))
     print()
-    print(f"{s['params']:,} parameters (Ψ). Final losses of the zerolab, PyTorch and DeepSpeed engines agree to "
-          f"{'below 1e-4' if s['loss_spread'] < 1e-4 else format(s['loss_spread'], '.2e')}; the floor (local) "
-          f"trains on one rank's batch only, so its loss differs.")
+    spread = "below 1e-4" if s["loss_spread"] < 1e-4 else format(s["loss_spread"], ".2e")
+    print(f"{s['params']:,} parameters (Ψ). Final losses of the data-parallel engines (zerolab's and its "
+          f"peers') agree to {spread}; the floor (local) trains on one rank's batch only, so its loss differs.")
     print(s["note"])
     # what zerolab's ledger, flight recorder and watchdog add to each collective: its own measurement
     print(format_overhead(measure_overhead(a.world_size, calls=60 if a.quick else 200, rounds=3 if a.quick else 5)))
