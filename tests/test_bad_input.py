@@ -194,7 +194,7 @@ CLI_CASES = [
     (["train", "--size", "huge"], 2, "argument --size: invalid choice: 'huge'"),
     (["train", "--save-every", "-1"], 2, "save_every must be an int >= 0"),
     (["train", "--save-every", "x"], 2, "argument --save-every: invalid int value"),
-    (["train", "--resume", "/nonexistent/ck"], 2, "resume: /nonexistent/ck/metadata.json does not exist"),
+    (["train", "--resume", "/nonexistent/ck"], 2, "resume: /nonexistent/ck holds no checkpoint (neither zerolab's metadata.json nor a torch.distributed.checkpoint's .metadata)"),
     (["train", "--fault", "boom"], 2, "fault must look like KIND@STEP"),
     (["train", "--fault", "melt@2"], 2, "fault: unknown kind 'melt'"),
     (["train", "--fault", "kill@2:5", "--world-size", "2"], 2, "rank in [0, 2)"),

@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     train.add_arguments(p_train)
 
     p_cons = sub.add_parser("consolidate", help="turn a sharded checkpoint into one fp32 state dict")
-    p_cons.add_argument("path", help="checkpoint directory (holds metadata.json)")
+    p_cons.add_argument("path", help="checkpoint directory (zerolab's metadata.json, or a torch.distributed.checkpoint's .metadata)")
     p_cons.add_argument("out", help="where to write the state dict (torch.save; load it with "
                         "torch.load(out, weights_only=True))")
 

@@ -122,7 +122,8 @@ def train_worker(cfg: TrainConfig, progress=None) -> dict:
         losses.append(loss.item())
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             from . import checkpoint
-            checkpoint.save(engine, cfg.save_dir, extra={"data_step": step + 1})
+            # (replace: a DCP checkpoint there is the one this run resumed, or --overwrite said so)
+            checkpoint.save(engine, cfg.save_dir, extra={"data_step": step + 1}, replace=True)
         if progress is not None and r == 0:
             progress.put((step + 1 - first, losses[-1]))
         if bar is not None:
@@ -256,8 +257,8 @@ def run(cfg: TrainConfig, show_progress: bool = True) -> list:
 def _resume_step(cfg) -> int:
     if not cfg.resume:
         return 0
-    from .checkpoint.reader import Reader
-    return Reader(cfg.resume).meta["steps"]
+    from .checkpoint import describe
+    return describe(cfg.resume)[1] or 0
 
 
 def format_report(cfg: TrainConfig, results: list) -> str:
@@ -347,7 +348,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _resume_hint(cfg, lead: str) -> str:
     """Where to continue from, if a checkpoint was written: "" otherwise."""
-    if cfg.save_dir and os.path.exists(os.path.join(cfg.save_dir, "metadata.json")):
+    from .checkpoint.files import formats_in
+    if cfg.save_dir and os.path.isdir(cfg.save_dir) and formats_in(cfg.save_dir):
         return f"{lead}the last checkpoint is in {cfg.save_dir}; continue with --resume {cfg.save_dir}"
     return ""
 

@@ -27,7 +27,7 @@ import torch
 
 from . import engines, models
 from .checkpoint.atomic import create_exclusive, signals_held, stopping_cleanly
-from .checkpoint.reader import METADATA, CheckpointError, identity
+from .checkpoint.files import CheckpointError, formats_in
 from .checkpoint.writer import check_save_dir, probe_save_dir
 from .watchdog import check_timeout
 
@@ -78,10 +78,10 @@ def check_config(cfg) -> None:
     if cfg.save_every and cfg.save_dir:
         check_no_overwrite(cfg)
     if cfg.resume is not None:
-        meta = os.path.join(os.fspath(cfg.resume), "metadata.json")
-        if not os.path.lexists(meta):
-            raise ValueError(f"resume: {meta} does not exist; pass a directory written by "
-                             "--save-dir (a save that never finished leaves none)")
+        if not os.path.isdir(cfg.resume) or not formats_in(os.fspath(cfg.resume)):
+            raise ValueError(f"resume: {cfg.resume} holds no checkpoint (neither zerolab's metadata.json nor "
+                             "a torch.distributed.checkpoint's .metadata); pass a directory written by "
+                             "--save-dir or zl.checkpoint.save (a save that never finished leaves none)")
         try:
             identity(cfg.resume)             # the metadata read and verified (its digest)
         except CheckpointError as e:
@@ -95,7 +95,7 @@ def check_config(cfg) -> None:
 def check_no_overwrite(cfg) -> None:
     """A checkpoint already in save_dir is another run's work: only the run that resumes it (resume
     names the same directory) or an explicit overwrite may replace it."""
-    if cfg.overwrite or not os.path.lexists(os.path.join(cfg.save_dir, METADATA)):
+    if cfg.overwrite or not os.path.isdir(cfg.save_dir) or not formats_in(cfg.save_dir):
         return
     if cfg.resume is not None and os.path.isdir(cfg.resume) and os.path.samefile(cfg.resume, cfg.save_dir):
         return
@@ -182,6 +182,12 @@ def plan(cfg) -> dict:
     return {k: getattr(cfg, k) for k in ("size", "strategy", "precision", "steps", "batch_size", "lr",
                                          "seed", "bucket_mb", "save_every", "find_nan", "fault")} | \
         {"resume": None if cfg.resume is None else identity(cfg.resume)}
+
+
+def identity(path) -> str:
+    """The checkpoint in `path`, in one line (its step and digest), either format."""
+    from .checkpoint import describe
+    return describe(path)[2]
 
 
 def check_shared_save_dir(path, ledger, rank: int, world: int) -> None:

@@ -45,13 +45,23 @@ file, a model or optimizer that does not match, a hyperparameter out of range ra
 CheckpointError naming the file that holds what is wrong, before anything in the engine has
 changed on any rank (validate).
 
-The package: api (save, load, consolidate), writer (how a save writes and publishes), atomic (how
-any file is written: exclusively, then renamed; clean-up when stopped), files (the files
-themselves: regular, bounded, sealed), reader (a checkpoint read and verified), validate (does it
-fit this engine).
+A torch.distributed.checkpoint (DCP) directory is the other format: save(..., format="dcp")
+writes one (FSDP2 loads it), load and consolidate read one, FSDP2's and torchtitan's included
+(dcp). The same promises hold for it: nothing in it runs code (unpickle), the one zerolab writes
+carries a sealed manifest of its files' digests and is put in place whole (dcp_reader, atomic),
+and the ranks agree on it (ranks). A directory never holds both formats: load refuses one that
+does, naming both, and a save refuses to write one format where the other is unless
+replace=True (files.format_of, check_other_format).
+
+The package: api (save, load, consolidate, describe), writer (how a save writes and publishes),
+atomic (how any file is written: exclusively, then renamed; a directory replaced whole; clean-up
+when stopped), files (the files themselves: regular, bounded, sealed; which format a directory
+holds), reader (a checkpoint read and verified), validate (does it fit this engine), ranks (what
+the ranks agree on), dcp (DCP directories), dcp_reader (one read and verified), unpickle (the
+allow-lists DCP's pickles are read with).
 """
 
-from .api import consolidate, load, save
+from .api import consolidate, describe, load, save
 from .files import METADATA, CheckpointError
 
-__all__ = ["CheckpointError", "METADATA", "consolidate", "load", "save"]
+__all__ = ["CheckpointError", "METADATA", "consolidate", "describe", "load", "save"]

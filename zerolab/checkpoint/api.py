@@ -7,18 +7,19 @@ from __future__ import annotations
 import os
 import random
 import secrets
-import zlib
+import shutil
 
 import torch
 
 from . import dcp
 from . import writer as checkpoint_writer
-from .atomic import signals_held, stopping_cleanly
+from .atomic import replace_directory, signals_held, stopping_cleanly
+from .dcp_reader import DcpReader
+from .files import check_other_format, format_of
 from .reader import METADATA, CheckpointError, Reader, _check_path  # noqa: F401 (CheckpointError: zl.checkpoint.CheckpointError)
 from .writer import check_save_dir
 from .validate import check_fits
-from ..engines.base import Engine
-from ..engines.setup import described_by, compare_rows
+from .ranks import agree, check_same_checkpoint, dist_rank, engine_kind, rank_size, refuse_together
 
 
 # ------------------------------------------------------------------ what each engine owns
@@ -31,36 +32,9 @@ from ..engines.setup import described_by, compare_rows
 # and says which are replicated (held whole by every rank: then each rank writes 1/N of them).
 
 
-def _kind(engine) -> str:
-    if not isinstance(engine, Engine):
-        raise TypeError(f"engine must be a zerolab engine (SingleProcess, DDP, NaiveDDP, ZeRO, ZeRO3), "
-                        f"got {type(engine).__name__}")
-    return engine.checkpoint_kind
-
-
 def _names(model) -> dict:
     """id(parameter) -> its name (the first name of a tied weight)."""
     return {id(p): n for n, p in model.named_parameters()}
-
-
-def _group(engine):
-    return getattr(engine.comm, "group", None)
-
-
-def _rank_size(engine):
-    """(rank, size) of the group the engine shards or replicates over; SingleProcess: (0, 1)."""
-    if _kind(engine) == "single":
-        return 0, 1
-    return int(getattr(engine, "rank", _dist_rank(engine))), int(engine.world_size)
-
-
-def _dist_rank(engine):
-    g = _group(engine)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(g) if g is not None else torch.distributed.get_rank()
-    return 0
-
-
 
 
 def _split(segments, rank, size):
@@ -91,15 +65,6 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _agree(engine, value: int, op: str) -> int:
-    """One int agreed by every rank of the engine's group (through its ledger)."""
-    if _rank_size(engine)[1] == 1 and _kind(engine) in ("single",):
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
-    engine.comm.all_reduce(t, op=op, group=_group(engine), tag="checkpoint")
-    return int(t.item())
-
-
 def _check_no_model_parallelism(engine, action):
     # Under a Mesh with mp > 1 the mp ranks hold DIFFERENT shards of each tensor-parallel
     # weight under the same name and the same dp rank: their files and pieces would collide.
@@ -111,24 +76,32 @@ def _check_no_model_parallelism(engine, action):
                               "engine.full_state_dict() per mp rank yourself, or train with mp=1.")
 
 
-def save(engine, path, extra: dict | None = None, *, format: str = "zerolab") -> str:
+def save(engine, path, extra: dict | None = None, *, format: str = "zerolab", replace: bool = False) -> str:
     """Every rank writes its own shard of `engine` into directory `path`; returns the metadata path.
 
     `extra` (ints, floats, strings, lists, dicts, tensors) is stored per rank and returned by
     load(): put the data position there. Every rank of the engine must call save.
     format="dcp": a torch.distributed.checkpoint directory, which FSDP2 loads (checkpoint.dcp).
+    A directory holding a checkpoint of the other format is refused unless replace=True: then the
+    new checkpoint is written beside it and put in its place whole when complete.
     """
     if format != "zerolab":
-        return dcp.save(engine, path, extra, format=format)
+        return dcp.save(engine, path, extra, format=format, replace=replace)
     dcp.check_own_format(engine, "save")
     path = check_save_dir(path)
-    kind = _kind(engine)
+    kind = engine_kind(engine)
     _check_no_model_parallelism(engine, "save")
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"checkpoint.save: extra must be a dict or None, got {type(extra).__name__}")
-    if kind == "single" and _dist_rank(engine) != 0:
+    if kind == "single" and dist_rank(engine) != 0:
         return os.path.join(path, METADATA)   # replicas of the reference: rank 0 speaks for all
-    rank, size = _rank_size(engine)
+    problem, replacing = None, False
+    try:                                      # every rank, before the first collective of the save
+        replacing = check_other_format(path, "zerolab", replace)
+    except CheckpointError as e:
+        problem = e
+    refuse_together(engine, path, problem, "cannot save there")
+    rank, size = rank_size(engine)
     opt_segments, frozen_segments, opt_replicated, frozen_replicated = \
         engine.optimizer_segments(_names(engine.model))
     if opt_replicated:
@@ -143,16 +116,31 @@ def save(engine, path, extra: dict | None = None, *, format: str = "zerolab") ->
         frozen_segments = _split(frozen_segments, index, replicas)
     mine: list = []     # the files this save has written: removed if it fails before it is published
     # (a launcher stops the other ranks of a failed job with SIGTERM: they remove their files first)
+    target = path
     with stopping_cleanly():
         try:
             # one fresh id per save, the same on every rank: rank 0's random number wins
-            token = _agree(engine, secrets.randbits(62) if rank == 0 else 0, "max")
+            token = agree(engine, secrets.randbits(62) if rank == 0 else 0, "max")
             sid = f"{engine.steps:08d}-{token:016x}"
-            return checkpoint_writer.write(engine, path, extra, sid, kind, rank, size, opt_segments,
-                                           frozen_segments, mine, lambda value, op: _agree(engine, value, op))
+            # replacing the other format: the new checkpoint is written whole beside it, then swapped in
+            target = f"{path.rstrip(os.sep)}.tmp-{sid}" if replacing else path
+            checkpoint_writer.write(engine, target, extra, sid, kind, rank, size, opt_segments,
+                                    frozen_segments, mine, lambda value, op: agree(engine, value, op))
+            if replacing:
+                problem = None
+                if rank == 0:
+                    try:
+                        replace_directory(target, path.rstrip(os.sep))
+                    except OSError as e:
+                        problem = CheckpointError(f"{path}: the new checkpoint could not replace the old one "
+                                                  f"({e.strerror}); the old one stands")
+                refuse_together(engine, path, problem, "could not put the new checkpoint in place")
+            return os.path.join(path, METADATA)
         except BaseException:
             with signals_held():
-                checkpoint_writer.remove_unpublished(path, mine)
+                checkpoint_writer.remove_unpublished(target, mine)
+                if target != path and rank == 0:
+                    shutil.rmtree(target, ignore_errors=True)
             raise
 
 
@@ -171,22 +159,22 @@ def load(engine, path) -> dict:
     A torch.distributed.checkpoint directory (FSDP2's, torchtitan's, or save(format="dcp")) is
     read by checkpoint.dcp.
     """
-    if dcp.is_dcp(path):
+    if format_of(path) == "dcp":
         return dcp.load(engine, path)
     dcp.check_own_format(engine, "load")
     path = _check_path(path)
-    kind = _kind(engine)
+    kind = engine_kind(engine)
     _check_no_model_parallelism(engine, "load")
-    rank, size = _rank_size(engine)
-    together = kind != "single" and size > 1     # ranks that load one checkpoint together
+    rank, size = rank_size(engine)
     # read and check everything before changing anything (zerolab.checkpoint.validate), and
     # agree with every rank that it is the same checkpoint and that it fits, before any rank changes
     try:
         reader, problem = Reader(path), None
     except CheckpointError as e:
         reader, problem = None, e
-    if together:
-        _check_same_checkpoint(engine, path, reader, problem)
+    seen = None if reader is None else (f"step {reader.meta['steps']} (sha256 {reader.meta['sha256'][:12]})",
+                                        f"{reader.meta['steps']}:{reader.meta['sha256']}")
+    check_same_checkpoint(engine, path, seen, problem)
     if problem is not None:
         raise problem
     same = reader.meta["world_size"] == size and reader.meta["engine"] == kind
@@ -196,12 +184,7 @@ def load(engine, path) -> dict:
         check_fits(engine, reader, own, opt_segments, restore_rng=same)
     except CheckpointError as e:
         problem = e
-    first_refused = _agree(engine, size if problem is None else rank, "min") if together else size
-    if problem is not None:
-        raise problem
-    if first_refused < size:
-        raise CheckpointError(f"{path}: rank {first_refused} refused this checkpoint (its error says why); "
-                              "no rank has changed anything")
+    refuse_together(engine, path, problem)
     info = reader.shard(own)
     optimizer = engine.optimizer
     with torch.no_grad():
@@ -231,29 +214,6 @@ def load(engine, path) -> dict:
     return dict(info["extra"])
 
 
-def _check_same_checkpoint(engine, path, reader, problem) -> None:
-    """Every rank of the engine's group was given the same checkpoint (step and digest, which
-    covers every shard), or every rank raises one CheckpointError naming each rank's directory and
-    step (zerolab.engines.setup.compare_rows: every rank takes part in the same collectives
-    whatever it finds). Ranks that all failed to read theirs raise their own errors after it."""
-    if reader is None:
-        row = (f"{path} (cannot be read: {str(problem)[-60:]})", -1)
-    else:
-        row = (f"step {reader.meta['steps']} (sha256 {reader.meta['sha256'][:12]}) in {path}",
-               zlib.crc32(f"{reader.meta['steps']}:{reader.meta['sha256']}".encode()))
-    try:
-        compare_rows([row], engine.comm, engine._src, lambda i: "checkpoints")
-    except ValueError:
-        group = _group(engine)
-        ranks = (torch.distributed.get_process_group_ranks(group) if group is not None
-                 else list(range(torch.distributed.get_world_size())))
-        said = [f"rank {r}: {described_by(row[0], r, engine.comm)}" for r in ranks[:16]]
-        more = f"; and {len(ranks) - 16} more ranks" if len(ranks) > 16 else ""
-        raise CheckpointError(f"checkpoint.load: the ranks were given different checkpoints: {'; '.join(said)}{more}. "
-                              "Every rank must load the same checkpoint (one directory all ranks share); "
-                              "nothing was loaded") from None
-
-
 def _load_tensor(optimizer, reader, t, segs) -> None:
     """One tensor the optimizer updates, and its optimizer state, from the pieces over `segs`."""
     flat = t.data.view(-1)
@@ -276,8 +236,22 @@ def _load_tensor(optimizer, reader, t, segs) -> None:
         optimizer.state[t] = state
 
 
+def describe(path) -> tuple:
+    """(format, steps, identity) of the checkpoint in `path`, its metadata read and verified (not
+    its tensors): "zerolab" or "dcp", the step it was saved at (None for a DCP directory zerolab did
+    not write), and the one line the ranks that load it compare."""
+    if format_of(path) == "dcp":
+        reader = DcpReader(path)
+        return "dcp", reader.steps, reader.identity
+    reader = Reader(path)
+    return "zerolab", reader.meta["steps"], reader.identity()
+
+
 def consolidate(path) -> dict:
-    """The full fp32 state dict (original keys, no padding, tied weights shared), no processes."""
+    """The full fp32 state dict (original keys, no padding, tied weights shared), no processes.
+    A torch.distributed.checkpoint directory: its model's weights (checkpoint.dcp.consolidate)."""
+    if format_of(path) == "dcp":
+        return dcp.consolidate(path)
     reader = Reader(path)
     reader.check_all()
     full = {}

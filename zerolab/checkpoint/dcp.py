@@ -17,8 +17,10 @@ all of them (`load`): it finds the prefix under which every one of the model's n
 and the one under which "state.<parameter>.<entry>" is, and reads them.
 
 zl.checkpoint.load(engine, dir) on such a directory: every rank reads the whole checkpoint into
-CPU memory (each tensor is stored whole in the metadata's coordinates, whatever sharding wrote
-it), then engine.load_state_dict(weights) keeps this rank's part of each parameter, and
+CPU memory through zerolab.checkpoint.dcp_reader (never DCP's own reader, which unpickles
+.metadata with no allow-list; each tensor is stored whole in the metadata's coordinates, whatever
+sharding wrote it), the ranks agree that they were given the same checkpoint and that it fits,
+then engine.load_state_dict(weights) keeps this rank's part of each parameter, and
 engine.optimizer.load_state_dict(state), given the whole model's state in PyTorch's layout, keeps
 this rank's part of each state tensor (engines.param_views: the same door a plain PyTorch
 checkpoint comes in by). So an FSDP2 checkpoint of any world size loads into any zerolab engine
@@ -29,7 +31,11 @@ zl.checkpoint.save(engine, dir, format="dcp") writes one: the consolidated weigh
 turned into parameter names, as get_state_dict names them) under "model" and "optim", the
 engine's step count and loss scale under "zerolab". Both are collectives through the engine's
 ledger; rank 0 then writes the directory alone (DCP with no_dist: no collective outside the
-ledger), and every rank waits for it. FSDP2 loads it with its own code:
+ledger) into a new sibling, adds MANIFEST (every file's size and SHA-256, the step, sealed), and
+puts the sibling in place of `dir` whole (atomic.replace_directory): a save that fails keeps the
+previous checkpoint, and every rank hears of it. A directory holding files other than a
+checkpoint's, or a checkpoint in zerolab's own format (unless replace=True), is refused before
+any collective. FSDP2 loads it with its own code:
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
@@ -46,20 +52,20 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import secrets
+import shutil
 import warnings
 
 import torch
 
-DCP_METADATA = ".metadata"
+from . import unpickle
+from .atomic import replace_directory, signals_held, stopping_cleanly, write_atomically
+from .dcp_reader import MANIFEST_FORMAT, DcpReader
+from .files import (DCP_METADATA, MANIFEST, CheckpointError, check_other_format, encode_metadata, file_digest,
+                    not_checkpoint_files)
+from .ranks import check_same_checkpoint, dist_rank, refuse_together
+
 MODEL_KEY, OPTIM_KEY, OWN_KEY = "model", "optim", "zerolab"
-
-
-def is_dcp(path) -> bool:
-    """Is `path` a torch.distributed.checkpoint directory?"""
-    try:
-        return os.path.isfile(os.path.join(os.fspath(path), DCP_METADATA))
-    except TypeError:
-        return False                # (not a path: zerolab's own checks name it)
 
 
 def _check_engine(engine, action: str) -> None:
@@ -74,7 +80,6 @@ def check_own_format(engine, action: str) -> None:
     Adafactor's state of a matrix is whole, on the rank that steps it (engines.whole_matrix), and
     Adafactor's is not per element at all. Refused, naming the format that holds it."""
     from ..engines.whole_matrix import whole_ids
-    from .files import CheckpointError
     if getattr(engine, "optimizer", None) is not None and whole_ids(engine.optimizer):
         raise CheckpointError(
             f"zl.checkpoint.{action}: zerolab's format keeps optimizer state element by element, and "
@@ -115,53 +120,100 @@ def _alone():
         yield
 
 
-def save(engine, path, extra: dict | None = None, format: str = "dcp") -> str:
+def _check_target(path: str, replace: bool) -> None:
+    """Can a DCP checkpoint replace whatever directory `path` is? (Raises CheckpointError.)"""
+    if os.path.islink(path):
+        raise CheckpointError(f"{path}: is a symbolic link; a DCP save replaces the directory itself, so it "
+                              "saves into a real directory only")
+    if not os.path.isdir(path):
+        return
+    check_other_format(path, "dcp", replace)
+    others = not_checkpoint_files(path)
+    if others:
+        raise CheckpointError(f"{path}: holds files that are not a checkpoint's ({', '.join(others[:3])}"
+                              f"{', ...' if len(others) > 3 else ''}); a DCP save replaces the whole directory, "
+                              "so it saves into a directory of its own")
+
+
+def _write(state: dict, path: str, steps: int, kind: str, world_size: int) -> None:
+    """DCP's files and the manifest, written into a new sibling of `path` and put in place whole
+    (atomic.replace_directory): until then `path` holds the previous checkpoint, untouched."""
+    import torch.distributed.checkpoint as dist_cp
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{secrets.token_hex(6)}"
+    with stopping_cleanly():
+        try:
+            os.mkdir(tmp)
+            with _alone():
+                dist_cp.save(state, storage_writer=dist_cp.FileSystemWriter(tmp), no_dist=True)
+            files = []
+            for name in sorted(os.listdir(tmp)):
+                size, sha256 = file_digest(os.path.join(tmp, name))
+                files.append({"file": name, "bytes": size, "sha256": sha256})
+            manifest = {"format": MANIFEST_FORMAT, "steps": steps, "engine": kind, "world_size": world_size,
+                        "files": files}
+            write_atomically(os.path.join(tmp, MANIFEST), encode_metadata(manifest))
+            replace_directory(tmp, path)
+        except BaseException:
+            with signals_held():
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+def _as_checkpoint_error(e: BaseException, path: str) -> CheckpointError:
+    """One error type for a failed save: what failed, where; the previous checkpoint stands."""
+    if isinstance(e, CheckpointError):
+        return e
+    failures = getattr(e, "failures", None)        # torch's CheckpointException (a BaseException)
+    if isinstance(failures, dict) and failures:
+        e = next(iter(failures.values()))[0]
+    what = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {str(e)[:200]}"
+    where = getattr(e, "filename", None) or path
+    try:                       # torch.save on a full disk says "unexpected pos", not ENOSPC
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+        full = f"; its file system has {free:,} bytes free" if free < 16 << 20 else ""
+    except OSError:
+        full = ""
+    return CheckpointError(f"{where}: the DCP save failed ({what}){full}; nothing was changed in {path}: "
+                           "the previous checkpoint there, if any, stands")
+
+
+def save(engine, path, extra: dict | None = None, format: str = "dcp", *, replace: bool = False) -> str:
     """Write `engine` as a torch.distributed.checkpoint directory (module docstring); returns the
     path of its metadata. Every rank of the engine calls it."""
-    import torch.distributed.checkpoint as dist_cp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from .writer import check_save_dir
     if format != "dcp":
         raise ValueError(f"zl.checkpoint.save: format must be 'zerolab' (the default) or 'dcp' "
                          f"(torch.distributed.checkpoint, which FSDP2 loads), got {format!r}")
     _check_engine(engine, "save")
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"checkpoint.save: extra must be a dict or None, got {type(extra).__name__}")
+    path = check_save_dir(path).rstrip(os.sep) or os.sep
+    problem = None
+    try:                                               # every rank, before any collective
+        _check_target(path, replace)
+    except CheckpointError as e:
+        problem = e
+    refuse_together(engine, path, problem, "cannot save there")
     weights = engine.full_state_dict()                 # (collectives: every rank takes part)
     buf = io.BytesIO()
-    torch.save(extra or {}, buf)                       # (read back with weights_only=True)
+    torch.save(extra or {}, buf)                       # (read back by zerolab.checkpoint.unpickle)
     state = {MODEL_KEY: weights, OWN_KEY: {"steps": int(engine.steps), "precision": engine.precision.state_dict(),
                                            "extra": torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)}}
     if engine.optimizer is not None:
         state[OPTIM_KEY] = _by_name(engine.optimizer.state_dict(), _position_names(engine))
-    replicas = getattr(engine, "world_size", 1) == 1 and torch.distributed.is_initialized()
-    rank = torch.distributed.get_rank() if replicas else getattr(engine, "rank", 0)
-    if rank == 0:                                      # (SingleProcess under launch: rank 0 speaks for all)
-        os.makedirs(path, exist_ok=True)
-        with _alone():
-            dist_cp.save(state, storage_writer=dist_cp.FileSystemWriter(os.fspath(path)), no_dist=True)
-    if getattr(engine, "world_size", 1) > 1:
-        engine.comm.barrier()                          # (nobody returns before the files exist)
-    return os.path.join(os.fspath(path), DCP_METADATA)
+    problem = None
+    if dist_rank(engine) == 0:                         # (rank 0 of the engine's group speaks for all)
+        try:
+            _write(state, path, int(engine.steps), engine.checkpoint_kind, int(getattr(engine, "world_size", 1)))
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must hear of it
+            problem = _as_checkpoint_error(e, path)
+    refuse_together(engine, path, problem, "could not write the checkpoint")
+    return os.path.join(path, DCP_METADATA)
 
 
 # ------------------------------------------------------------------ reading
-
-
-def _read_all(path) -> dict:
-    """Every entry of the checkpoint, by its flattened key, read on this rank alone. Entries that
-    are not tensors (param_groups, step counts as numbers) are unpickled with weights_only=True:
-    reading a checkpoint never runs code from it."""
-    import torch.distributed.checkpoint as dist_cp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    class WeightsOnly(dist_cp.DefaultLoadPlanner):
-        def load_bytes(self, read_item, value):
-            self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
-
-    reader = dist_cp.FileSystemReader(os.fspath(path))
-    entries = reader.read_metadata().state_dict_metadata
-    flat = {k: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata)
-            else None for k, md in entries.items()}
-    with _alone():
-        dist_cp.load(flat, storage_reader=reader, planner=WeightsOnly(flatten_state_dict=False), no_dist=True)
-    return flat
 
 
 def _prefix(keys, names, what, path) -> str:
@@ -173,7 +225,7 @@ def _prefix(keys, names, what, path) -> str:
         if all(p + n in keys for n in names):
             return p
     missing = [n for n in names if not any(k.endswith(n) for k in keys)][:3]
-    raise ValueError(f"zl.checkpoint.load: {path} is a torch.distributed.checkpoint directory, but "
+    raise CheckpointError(f"zl.checkpoint.load: {path} is a torch.distributed.checkpoint directory, but "
                      f"not of this model: no prefix holds every {what} name (none has {missing or names[:3]}). "
                      "Load it into the model it was saved from.")
 
@@ -230,33 +282,107 @@ def _hyperparameters(flat, q):
     return flattened
 
 
-def load(engine, path) -> dict:
-    """Read a torch.distributed.checkpoint directory into `engine` (module docstring); returns the
-    `extra` dict a zerolab save stored ({} otherwise). Every rank of the engine calls it."""
-    _check_engine(engine, "load")
-    flat = _read_all(path)
-    mine = list(engine.model.state_dict(keep_vars=True))
+def _nested(flat: dict, head: str):
+    """The value DCP flattened under `head` ("zerolab.precision.scaler.scale" ...), nested again."""
+    if head in flat:
+        return flat[head]
+    out: dict = {}
+    for key, value in flat.items():
+        if key.startswith(head + "."):
+            *parents, leaf = key[len(head) + 1:].split(".")
+            at = out
+            for p in parents:
+                at = at.setdefault(p, {})
+            at[leaf] = value
+    return out or None
+
+
+def _plan(engine, flat: dict, path: str) -> dict:
+    """What loading `flat` into `engine` will set, every piece checked first (CheckpointError):
+    the weights by the model's own keys, the optimizer's state in PyTorch's layout, ours."""
+    model = engine.model.state_dict(keep_vars=True)
     first = {}                                          # tied weights: each alias from its first name
     for n, p in engine.model.named_parameters(remove_duplicate=False):
         first.setdefault(id(p), n)
     aliases = {n: first[id(p)] for n, p in engine.model.named_parameters(remove_duplicate=False)}
-    stored = [n for n in mine if aliases.get(n, n) == n]
+    stored = [n for n in model if aliases.get(n, n) == n]
     prefix = _prefix(set(flat), stored, "parameter and buffer", path)
-    weights = {n: flat[prefix + aliases.get(n, n)] for n in mine}
+    weights = {n: flat[prefix + aliases.get(n, n)] for n in model}
+    for n, value in weights.items():
+        if not (isinstance(value, torch.Tensor) and value.shape == model[n].shape
+                and value.is_floating_point() == model[n].is_floating_point()):
+            got = f"{list(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise CheckpointError(f"{path}: {prefix + aliases.get(n, n)!r} is {got}; the model's {n!r} is "
+                                  f"{list(model[n].shape)} {model[n].dtype}")
     if engine.optimizer is None and any(".state." in k or k.startswith("state.") for k in flat):
-        raise ValueError(
+        raise CheckpointError(
             f"zl.checkpoint.load: {path} holds optimizer state, and the engine has no optimizer yet "
             "(built without one: FSDP2's order adopts it at its first step). Build the engine with "
             "the optimizer (zl.ZeRO(model, optimizer, stage=k)) and load then.")
     optimizer = _optimizer_state(flat, engine, path) if engine.optimizer is not None else None
-    engine.load_state_dict(weights)
-    if optimizer is not None:
-        engine.optimizer.load_state_dict(optimizer)
-    if f"{OWN_KEY}.steps" not in flat:
-        return {}                                       # (FSDP2's, torchtitan's: nothing of ours)
-    engine.steps = int(flat[f"{OWN_KEY}.steps"])
-    precision = flat.get(f"{OWN_KEY}.precision")
-    if isinstance(precision, dict) and precision.get("precision") == engine.precision.name:
-        engine.precision.load_state_dict(precision)     # (the loss scale, in fp16)
-    extra = flat.get(f"{OWN_KEY}.extra")
-    return torch.load(io.BytesIO(extra.numpy().tobytes()), weights_only=True) if extra is not None else {}
+    for position, entries in (optimizer or {}).get("state", {}).items():
+        for k, v in entries.items():
+            if not (isinstance(v, torch.Tensor) or isinstance(v, (int, float, bool)) or v is None):
+                raise CheckpointError(f"{path}: optimizer state {k!r} of position {position} is a "
+                                      f"{type(v).__name__}, not a tensor or a number")
+    plan = {"weights": weights, "optimizer": optimizer, "steps": None, "precision": None, "extra": {}}
+    if f"{OWN_KEY}.steps" in flat:                      # (FSDP2's, torchtitan's: nothing of ours)
+        steps, extra = flat[f"{OWN_KEY}.steps"], flat.get(f"{OWN_KEY}.extra")
+        if not (isinstance(steps, int) and steps >= 0 and (extra is None or isinstance(extra, torch.Tensor)
+                                                              and extra.dtype == torch.uint8 and extra.dim() == 1)):
+            raise CheckpointError(f"{path}: {OWN_KEY}.steps or {OWN_KEY}.extra is not what zerolab writes")
+        plan["steps"] = steps
+        plan["precision"] = _nested(flat, f"{OWN_KEY}.precision")
+        if extra is not None:
+            plan["extra"] = unpickle.torch_archive(extra.numpy().tobytes(), f"{path} ({OWN_KEY}.extra)")
+            if not isinstance(plan["extra"], dict):
+                raise CheckpointError(f"{path}: {OWN_KEY}.extra is a {type(plan['extra']).__name__}, not a dict")
+    return plan
+
+
+def load(engine, path) -> dict:
+    """Read a torch.distributed.checkpoint directory into `engine` (module docstring); returns the
+    `extra` dict a zerolab save stored ({} otherwise). Every rank of the engine calls it, with the
+    same checkpoint: the ranks compare it first (its manifest's digest, or its .metadata's), and
+    a checkpoint any rank refuses changes no rank."""
+    _check_engine(engine, "load")
+    try:
+        reader, problem = DcpReader(path, say_unverified=dist_rank(engine) == 0), None
+    except CheckpointError as e:
+        reader, problem = None, e
+    check_same_checkpoint(engine, path, None if reader is None else reader.seen, problem)
+    if problem is not None:
+        raise problem
+    try:
+        plan = _plan(engine, reader.read_all(), os.fspath(path))
+    except CheckpointError as e:
+        plan, problem = None, e
+    refuse_together(engine, path, problem)
+    try:
+        engine.load_state_dict(plan["weights"])
+        if plan["optimizer"] is not None:
+            engine.optimizer.load_state_dict(plan["optimizer"])
+        precision = plan["precision"]
+        if isinstance(precision, dict) and precision.get("precision") == engine.precision.name:
+            engine.precision.load_state_dict(precision)     # (the loss scale, in fp16)
+    except (ValueError, KeyError, TypeError, RuntimeError, IndexError, AttributeError) as e:
+        raise CheckpointError(f"{path}: the engine refused what the checkpoint holds "
+                              f"({type(e).__name__}: {str(e)[:300]})") from None
+    if plan["steps"] is not None:
+        engine.steps = plan["steps"]
+    return plan["extra"]
+
+
+def consolidate(path) -> dict:
+    """The model's weights in a torch.distributed.checkpoint directory, as one state dict (fp32
+    floating tensors): those under "model." (zerolab's and PyTorch's recipe's layout)."""
+    flat = DcpReader(path, say_unverified=True).read_all()
+    head = MODEL_KEY + "."
+    model = {k[len(head):]: v for k, v in flat.items() if k.startswith(head) and isinstance(v, torch.Tensor)}
+    if not model:
+        raise CheckpointError(
+            f"{path}: a torch.distributed.checkpoint directory with nothing under 'model.' (torchtitan keeps "
+            "the model's weights at the top level, among the optimizer's): which entries are the model "
+            "cannot be told without it. Load it into the model with zl.checkpoint.load(engine, path), which "
+            "finds them by the model's own names, then take engine.full_state_dict()")
+    return {k: v.float() if v.is_floating_point() else v for k, v in model.items()}

@@ -163,20 +163,16 @@ def _check_seal(data: bytes, path: str) -> str:
                           "is corrupt")
 
 
-def read_metadata(directory: str) -> dict:
-    """metadata.json of `directory`: read (bounded), its seal checked on the raw bytes, its size
-    in JSON values counted, and only then parsed (the fields themselves are checked by
-    zerolab.checkpoint.reader)."""
-    path = os.path.join(directory, METADATA)
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"{directory}: no such checkpoint directory")
+def read_sealed(path: str, what: str, missing: str) -> dict:
+    """A sealed JSON file (metadata.json, a DCP manifest): read (bounded), its seal checked on the
+    raw bytes, its size in JSON values counted, and only then parsed. `missing`: what to say when
+    it is not there."""
     if not os.path.lexists(path):
-        raise CheckpointError(f"{path}: missing; the directory holds no complete checkpoint "
-                              "(a save that never finished leaves none)")
-    data = read_bounded(path, MAX_METADATA_BYTES, "checkpoint metadata", exact=False)
+        raise CheckpointError(f"{path}: missing; {missing}")
+    data = read_bounded(path, MAX_METADATA_BYTES, what, exact=False)
     digest = _check_seal(data, path)
     if not data.isascii():
-        raise CheckpointError(f"{path}: not valid zerolab checkpoint metadata (zerolab writes ASCII only)")
+        raise CheckpointError(f"{path}: not valid zerolab {what} (zerolab writes ASCII only)")
     # every value or key but the first follows one of these bytes (a string holding them counts
     # extra, never fewer): an upper bound of what json.loads would build, known before it runs
     values = 1 + sum(data.count(c) for c in (b",", b":", b"[", b"{"))
@@ -186,9 +182,83 @@ def read_metadata(directory: str) -> dict:
     try:
         meta = json.loads(data, parse_constant=_no_constants)
     except RecursionError:
-        raise CheckpointError(f"{path}: not valid zerolab checkpoint metadata (nested too deeply)") from None
+        raise CheckpointError(f"{path}: not valid zerolab {what} (nested too deeply)") from None
     except (ValueError, TypeError) as e:      # (JSONDecodeError is a ValueError)
-        raise CheckpointError(f"{path}: not valid zerolab checkpoint metadata ({str(e)[:200]})") from None
+        raise CheckpointError(f"{path}: not valid zerolab {what} ({str(e)[:200]})") from None
     if not isinstance(meta, dict) or meta.get("sha256") != digest:
-        raise CheckpointError(f"{path}: not valid zerolab checkpoint metadata (its seal is not its last field)")
+        raise CheckpointError(f"{path}: not valid zerolab {what} (its seal is not its last field)")
     return meta
+
+
+def read_metadata(directory: str) -> dict:
+    """metadata.json of `directory`, read and checked by read_sealed (the fields themselves are
+    checked by zerolab.checkpoint.reader)."""
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{directory}: no such checkpoint directory")
+    return read_sealed(os.path.join(directory, METADATA), "checkpoint metadata",
+                       "the directory holds no complete checkpoint (a save that never finished leaves none)")
+
+
+# ------------------------------------------------------------------ which format a directory holds
+#
+# zerolab's own format is metadata.json and its shards; a torch.distributed.checkpoint (DCP)
+# directory is DCP's .metadata and *.distcp files, and, when zerolab wrote it, MANIFEST: every
+# file's size and SHA-256, sealed (zerolab.checkpoint.dcp_reader). A directory holding both is
+# refused: which one is meant cannot be told, and one of them is stale.
+
+DCP_METADATA = ".metadata"
+MANIFEST = "zerolab-dcp.json"
+_ZEROLAB_FILES = re.compile(r"\Ametadata\.json(\.tmp-.*)?\Z|\Ashard-.*\Z")
+_DCP_FILES = re.compile(r"\A\.metadata(\.tmp)?\Z|\A.*\.distcp\Z|\Azerolab-dcp\.json(\.tmp-.*)?\Z")
+
+
+def formats_in(path: str) -> list:
+    """The checkpoint formats directory `path` holds: "zerolab" (metadata.json), "dcp" (.metadata,
+    or the manifest zerolab writes beside it)."""
+    held = []
+    if os.path.lexists(os.path.join(path, METADATA)):
+        held.append("zerolab")
+    if any(os.path.lexists(os.path.join(path, f)) for f in (DCP_METADATA, MANIFEST)):
+        held.append("dcp")
+    return held
+
+
+def both_formats(path: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: holds two checkpoints, one in zerolab's format ({METADATA}) and one as a "
+        f"torch.distributed.checkpoint ({DCP_METADATA}{', ' + MANIFEST if os.path.lexists(os.path.join(path, MANIFEST)) else ''}); "
+        "refused, since which one is meant cannot be told. Move one of them into a directory of its own")
+
+
+def format_of(path) -> str:
+    """"zerolab" or "dcp": the one checkpoint format `path` holds (a directory holding none is
+    "zerolab", whose reader says what is missing); both is a CheckpointError."""
+    held = formats_in(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else []
+    if len(held) == 2:
+        raise both_formats(os.fspath(path))
+    return held[0] if held else "zerolab"
+
+
+def not_checkpoint_files(path: str) -> list:
+    """The entries of directory `path` that are not a checkpoint's files (either format's)."""
+    return sorted(f for f in os.listdir(path) if not (_ZEROLAB_FILES.match(f) or _DCP_FILES.match(f)))
+
+
+def check_other_format(path: str, fmt: str, replace: bool) -> bool:
+    """Before a save in format `fmt` into `path`: does a checkpoint of the other format have to be
+    replaced (only with replace=True; a CheckpointError otherwise)?"""
+    other = {"zerolab": "dcp", "dcp": "zerolab"}[fmt]
+    if not os.path.isdir(path) or other not in formats_in(path):
+        return False
+    names = {"zerolab": f"zerolab's format ({METADATA})", "dcp": f"DCP format ({DCP_METADATA})"}
+    if not replace:
+        raise CheckpointError(
+            f"{path}: holds a checkpoint in {names[other]}; a save in {names[fmt].split(' (')[0]} there would "
+            "leave two checkpoints in one directory. Save into another directory, or pass replace=True to "
+            "replace it (the old one stays whole until the new one is complete)")
+    others = not_checkpoint_files(path)
+    if others:
+        raise CheckpointError(f"{path}: holds files that are not a checkpoint's ({', '.join(others[:3])}"
+                              f"{', ...' if len(others) > 3 else ''}); replacing the checkpoint there replaces "
+                              "the whole directory, so it is refused: save into a directory of its own")
+    return True
