@@ -176,7 +176,7 @@ def test_a_save_that_fails_leaves_no_file_of_its_own(tmp_path, monkeypatch, fail
             raise OSError(errno.ENOSPC, "No space left on device")
         fsync(fd)
     monkeypatch.setattr(os, "fsync", disk_full_at_the_nth_write)
-    with pytest.raises(OSError, match="No space left on device"):
+    with pytest.raises(checkpoint.CheckpointError, match="No space left on device.*previous checkpoint"):
         checkpoint.save(engine, path)
     monkeypatch.undo()
     assert sorted(os.listdir(path)) == before

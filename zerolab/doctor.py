@@ -124,7 +124,8 @@ def report(run_dir: str) -> list:
                 last = rec.in_group(g)[max(rec.in_group(g))]
                 ends.append(f"rank {r} at #{last.seq} {last.where()}{'' if last.done else ', not completed'}")
             lines.append(f"The ranks' collectives{name} agree wherever more than one rank recorded them; "
-                         f"the records end: {'; '.join(ends)}.")
+                         f"the records end: {'; '.join(ends)}. (Only collectives through zerolab's ledger are "
+                         "recorded: a torch.distributed call of the script's own is not.)")
             if by_line is not None:
                 lines.append(f"The same collectives came from different lines of the script at {by_line}.")
     missing = sorted(set(range(max(rec.world for rec in records.values()))) - set(records))
@@ -141,5 +142,10 @@ def main(path: str | None = None) -> int:
     except (OSError, TypeError) as exc:
         print(f"zerolab doctor: error: {exc}", file=sys.stderr)
         return 2
+    named = [n for n in os.listdir(run_dir) if n.startswith("rank") and n.endswith(".rec")]
+    if named and not read_run(run_dir):
+        print(f"zerolab doctor: error: {run_dir}: {len(named)} file(s) named rank*.rec, none of them a flight "
+              "record zerolab wrote (another program's file, or one cut short)", file=sys.stderr)
+        return 1
     print("\n".join(report(run_dir)))
     return 0

@@ -8,7 +8,8 @@ library). A rank keeps its last SLOTS collectives in a small file mapped into me
     $ZEROLAB_RECORD_DIR/run-<date>-<time>-<pid>/rank<r>.rec
 
 (default directory: ~/.cache/zerolab/records, or $XDG_CACHE_HOME/zerolab/records; the newest
-KEEP_RUNS runs are kept; ZEROLAB_RECORD_DIR=off turns the recorder off). Noting a collective is a
+KEEP_RUNS runs are kept, and any run an error named, which holds the file KEPT, until you remove it;
+ZEROLAB_RECORD_DIR=off turns the recorder off). Noting a collective is a
 few writes into that memory: no system call, no message, no thread. The file outlives the rank, so
 its record can be read while the rank is frozen (by a peer on the same machine) and after the run,
 whether it failed or not (`python -m zerolab doctor DIR`, zerolab.doctor).
@@ -42,6 +43,7 @@ import torch.distributed as dist
 DIR_ENV = "ZEROLAB_RECORD_DIR"
 SLOTS = 1024            # collectives kept per rank (the file: about 270 KB, written as it fills)
 KEEP_RUNS = 20          # runs kept in the default directory (older ones whose processes are gone go)
+KEPT = "kept"           # a run's file that keeps it: written when an error names its records
 P2P = ("send", "recv")  # pairwise: no place in a group's sequence (a pipeline's ranks differ)
 
 # The file: a header, then SLOTS records in a ring (collective #i lives in slot (i - 1) % SLOTS).

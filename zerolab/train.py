@@ -123,7 +123,10 @@ def train_worker(cfg: TrainConfig, progress=None) -> dict:
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             from . import checkpoint
             # (replace: a DCP checkpoint there is the one this run resumed, or --overwrite said so)
-            checkpoint.save(engine, cfg.save_dir, extra={"data_step": step + 1}, replace=True)
+            try:
+                checkpoint.save(engine, cfg.save_dir, extra={"data_step": step + 1}, replace=True)
+            except checkpoint.CheckpointError as e:      # (a full disk: the step, and the file)
+                raise checkpoint.CheckpointError(f"the checkpoint of step {step + 1} was not saved: {e}") from None
         if progress is not None and r == 0:
             progress.put((step + 1 - first, losses[-1]))
         if bar is not None:
@@ -225,6 +228,8 @@ def _follow_progress(queue, total, stop):
             if stop.is_set():
                 break      # (only once the queue is empty: rank 0's last steps are drawn too)
             continue
+        if done == 0:
+            bar.reset()    # (the clock starts at the first step, not at the ranks' start-up: its rate is the steps')
         bar.update(step - done)
         bar.set_postfix(loss=f"{loss:.3f}")
         done = step
@@ -271,7 +276,10 @@ def format_report(cfg: TrainConfig, results: list) -> str:
     lines = [
         f"zerolab train: GPT-{cfg.size} ({r0['params']:,} parameters), strategy={cfg.strategy}, "
         f"precision={cfg.precision}, world size {cfg.world_size}, {cfg.steps} steps{resumed}",
-        f"  loss: first {r0['losses'][0]:.4f}, last {r0['losses'][-1]:.4f}"
+        # each step's loss over the global batch: the mean of the ranks' (rank 0's alone would
+        # differ from the same run on another number of ranks)
+        f"  loss: first {_mean_over_ranks(results, 0):.4f}, last {_mean_over_ranks(results, -1):.4f}"
+        + (f", each the mean over the {len(results)} ranks' batches" if len(results) > 1 else "")
         + (f", {r0['skipped']} step(s) skipped on overflow" if r0['skipped'] else ""),
         f"  speed: {sum(r['tokens_per_s'] for r in results) / len(results):,.0f} tokens/s "
         f"(whole job), {r0['seconds'] / len(r0['losses']) * 1e3:.1f} ms per step",
@@ -283,6 +291,10 @@ def format_report(cfg: TrainConfig, results: list) -> str:
         lines.append(f"  {r['rank']:>4}   {_mb(m['params'])}  {_mb(m['grads'])}  {_mb(m['optimizer'])}  "
                      f"{_mb(m['total'])}  {_mb(m.get('peak', 0))}  {_mb(r['bytes_sent'])}")
     return "\n".join(lines)
+
+
+def _mean_over_ranks(results: list, step: int) -> float:
+    return sum(r["losses"][step] for r in results) / len(results)
 
 
 def _mb(nbytes) -> str:
@@ -378,7 +390,10 @@ def main(args: argparse.Namespace) -> int:
             print(f"zerolab train: interrupted{_resume_hint(cfg, ': ')}", file=sys.stderr)
         return 130
     except Exception as exc:   # noqa: BLE001 - reported below, with where to resume from
-        if not isinstance(exc, LaunchError):
+        said = next((line for line in str(exc).splitlines() if "CheckpointError: " in line), None)
+        if isinstance(exc, LaunchError) and said is not None:
+            exc = f"rank {exc.rank}: {said.split('CheckpointError: ', 1)[1]}"   # (says what and where: no traceback)
+        elif not isinstance(exc, LaunchError):
             if "RANK" not in os.environ:
                 raise               # a bug of this process, not a rank's failure
             exc = f"rank {rank()}: {type(exc).__name__}: {exc}"   # under torchrun: this rank's own

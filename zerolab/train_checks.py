@@ -132,10 +132,19 @@ def check_batch_fits(cfg) -> None:
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))   # (torchrun: the ranks of this node)
     have = _memory_per_rank(ranks)
     if need > have:
-        raise ValueError(f"batch_size {cfg.batch_size}: one step needs at least {need / 2**30:,.1f} GiB per rank "
+        raise ValueError(f"batch_size {cfg.batch_size}: one step needs at least {_bytes(need)} per rank "
                          f"(the logits and their log-probabilities: {rows:,} x {model.block_size} x "
-                         f"{model.vocab_size} floats each), more than the {have / 2**30:,.1f} GiB each of "
-                         f"{ranks} rank(s) has on this machine; lower --batch-size")
+                         f"{model.vocab_size} floats each), more than the {_bytes(have)} each of "
+                         f"{ranks:,} rank(s) has on this machine; lower --batch-size"
+                         f"{' or --world-size' if ranks > (os.cpu_count() or 1) else ''}")
+
+
+def _bytes(n: int) -> str:
+    """n bytes in the largest binary unit that leaves a number of at least 1 (0.0 GiB says nothing)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n} bytes"
 
 
 def check_plot(path) -> None:

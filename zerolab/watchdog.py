@@ -37,7 +37,7 @@ import time
 import torch.distributed as dist
 
 from .doctor import describe_parting
-from .recorder import DIR_ENV, FAILED, RECORDER, Entry, RankRecord
+from .recorder import DIR_ENV, FAILED, KEPT, RECORDER, Entry, RankRecord
 
 TIMEOUT_ENV = "ZEROLAB_COLLECTIVE_TIMEOUT"
 DEFAULT_TIMEOUT = 300.0
@@ -311,6 +311,11 @@ def mismatch_message(noted, clash, me: int, ranks) -> str:
 def records_note() -> str:
     """Where this run's flight records are ("" when nowhere)."""
     d = RECORDER.run_dir
+    if d:       # an error names them: kept past the newest KEEP_RUNS (recorder._prune leaves a folder with it)
+        try:
+            open(os.path.join(d, KEPT), "a").close()
+        except OSError:
+            pass
     return f" Flight records: {d} (python -m zerolab doctor {d})." if d else ""
 
 

@@ -141,6 +141,13 @@ def format_ratios(s) -> str:
     return "\n".join(lines)
 
 
+def verdict_word(ok, reps) -> str:
+    """How a target's verdict is printed: met, MISSED, or why it is neither."""
+    if ok is None:
+        return "within the spread" if reps > 1 else "not judged: one round has no spread"
+    return "met" if ok else "MISSED"
+
+
 def verdict(spread, reps):
     """Is a ratio at or below 1? True or False when every round's median says the same;
     None when they disagree, or when one round leaves nothing to judge the noise by."""

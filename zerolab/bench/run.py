@@ -21,7 +21,7 @@ from ..launch import launch
 from ..models import GPT, SIZES, gpt_config
 from .engines import KINDS, LOOPS, ZEROLAB, build_runners, engine_factories, pytorch_loop_name
 from .overhead import format_overhead, measure as measure_overhead
-from .report import format_ratios, format_table, summarize, targets
+from .report import format_ratios, format_table, summarize, targets, verdict_word
 
 GPU_NOTE = "GPU path: not run, no device was available"
 
@@ -216,7 +216,7 @@ def main(argv=None, plot=None):
     print(format_overhead(measure_overhead(a.world_size, calls=60 if a.quick else 200, rounds=3 if a.quick else 5)))
     print(GPU_NOTE)
     for text, ok in targets(s):
-        print(f"  [{ {True: 'met', False: 'MISSED', None: 'within the spread'}[ok]}] {text}")
+        print(f"  [{verdict_word(ok, a.reps)}] {text}")
     if a.plot:
         if plot is None:
             p.error("--plot draws the book's figures: run it as python -m zerolab bench --plot DIR")

@@ -135,6 +135,9 @@ def write(engine, path, extra, sid, kind, rank, size, opt_segments, frozen_segme
         _write_shard(engine, path, extra, sid, rank, size, opt_segments, frozen_segments, mine)
     except Exception as e:  # noqa: BLE001 - a full disk, an extra too large: every rank must hear of it
         failure = e
+        if isinstance(e, OSError):      # (a full disk, a read-only file system: one line naming the file)
+            failure = CheckpointError(f"{e.filename or path}: cannot write rank {rank}'s shard ({e.strerror or e}); "
+                                      "every rank has given up this save; the previous checkpoint, if any, stands")
     # every shard is on disk before rank 0 writes the metadata that names them; a rank that could
     # not write its shard says so here, and every rank gives up this save (api.save removes its files)
     first_failed = agree(size if failure is None else rank, "min")
@@ -151,6 +154,9 @@ def write(engine, path, extra, sid, kind, rank, size, opt_segments, frozen_segme
             _publish(engine, path, kind, size, sid)
         except CheckpointError as e:
             problem = e
+        except OSError as e:            # (a full disk as the metadata is written)
+            problem = CheckpointError(f"{e.filename or os.path.join(path, METADATA)}: cannot write the metadata "
+                                      f"({e.strerror or e}); the previous checkpoint, if any, stands")
     # nobody returns before the metadata is in place, and every rank learns whether it is
     if agree(int(problem is None), "min") == 0:
         raise problem or CheckpointError(

@@ -138,6 +138,28 @@ def process_group_from_environment() -> None:
                   stacklevel=6)     # (the script's line that built the engine)
 
 
+_warned_alone = False
+
+
+def warn_if_alone(name: str) -> None:
+    """A data-parallel engine built where torch.distributed has no process group (a script that
+    forgot zl.launch or torchrun) trains as one rank: said once per process, since PyTorch's own
+    engines refuse outright and a script that meant N ranks would otherwise never know."""
+    import warnings
+    import torch.distributed as dist
+    global _warned_alone
+    if dist.is_initialized() or _warned_alone:
+        return
+    _warned_alone = True
+    import os
+    import sys
+    package, level, frame = os.path.dirname(os.path.dirname(__file__)), 2, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1      # (the warning names the script's line)
+    warnings.warn(f"zerolab: {name} was built with no process group (torch.distributed is not initialised): it "
+                  "trains as one rank. Start ranks with zl.launch(fn, world_size=N) or torchrun.", stacklevel=level)
+
+
 def data_parallel_layout(mesh):
     """(ledger, dp size, dp rank, source rank of the setup broadcasts) for an engine.
 
@@ -272,6 +294,7 @@ def join_data_parallel(engine_class, model, optimizer, options) -> Group:
                             "such as functools.partial(torch.optim.AdamW, lr=3e-4).")
         check_optimizer_factory(optimizer, t.precision, engine_class.flat_optimizer)
     comm, world_size, rank, src = data_parallel_layout(r.mesh)
+    warn_if_alone(name)
     group = Group(
         comm, world_size, rank, src, r.mesh, MixedPrecision(t.precision, scaler=t.scaler, ledger=comm),
         enable_residual(model, r.mesh, r.checkpoint_activations, r.partition_activations,

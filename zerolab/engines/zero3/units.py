@@ -58,16 +58,16 @@ def find_units(model: nn.Module, units=None):
                 raise ValueError(f"units: {u!r} is not a submodule of the model (nor its name)")
         return out, None
     best, best_size = None, 0
-    for name, m in named.items():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and m is not model:
+    for name, m in named.items():      # (the model itself too: a model that is an nn.Sequential)
+        if isinstance(m, (nn.ModuleList, nn.Sequential)):
             size = sum(p.numel() for p in m.parameters())
             if size > best_size:
                 best, best_size = name, size
     if best is None:
-        return [], (f"ZeRO3: {type(model).__name__} has no nn.ModuleList or nn.Sequential to cut "
-                    "into units; the whole model is ONE root unit (gathered whole for forward and "
+        return [], (f"ZeRO3: {type(model).__name__} neither is nor holds an nn.ModuleList or nn.Sequential to "
+                    "cut into units; the whole model is ONE root unit (gathered whole for forward and "
                     "backward). Pass units=[...] to name submodules as units.")
-    return [(f"{best}.{n}", m) for n, m in named[best].named_children()
+    return [(f"{best}.{n}" if best else n, m) for n, m in named[best].named_children()
             if any(True for _ in m.parameters())], None
 
 
