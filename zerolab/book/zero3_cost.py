@@ -6,6 +6,7 @@ hardware it assumes.
 
     hiding_rows(psi, tokens_per_rank, ns)      DDP and ZeRO-3 per world size: compute, traffic,
                                                exposed traffic, and the tokens per GPU that hide it
+    exposed_ms(stage, psi, n, tokens)          exposed milliseconds per step, for a range of batches
     unit_latency_s(n, units, cluster)          the latency if every unit is gathered and reduced on
                                                its own (the step estimate counts one collective per kind)
 """
@@ -51,3 +52,9 @@ def unit_latency_s(n: int, units: int, cluster: cm.Cluster = cm.H100_CLUSTER) ->
     per_unit = sum(cm.collective_cost(kind, 1.0, n, cluster).latency_s
                    for kind in ("all_gather", "all_gather", "reduce_scatter"))
     return units * per_unit
+
+
+def exposed_ms(stage: int, psi: float, n: int, tokens, cluster: cm.Cluster = cm.H100_CLUSTER) -> list:
+    """Milliseconds of communication the step cannot hide (cost_model.step_estimate), for each
+    number of tokens per GPU in `tokens`: stage 0 is DDP, 3 is ZeRO-3."""
+    return [1e3 * cm.step_estimate(stage, psi, n, t, cluster).exposed_s for t in tokens]

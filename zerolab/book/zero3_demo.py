@@ -128,17 +128,22 @@ def prefetch_timing(size="small", steps=16, batch=8, warmup=2):
     Both engines train the same model on the same batches; before each step the ranks meet at
     a barrier, and a step's time is the slowest rank's. The order alternates every step, so a
     slow moment of the machine hits both alike. Also returns the seconds each step spent
-    blocked waiting for all-gathers (ZeRO3.gather_wait_s), the part prefetch can hide.
+    blocked waiting for all-gathers (ZeRO3.gather_wait_s), the part prefetch can hide, and the
+    last step's event trace and ledger records for each setting (trace[pf]).
     """
     rank, n = dist.get_rank(), dist.get_world_size()
     data = CharDataset(gpt_config(size).block_size)
     engines = {pf: ZeRO3(_model(size), OPT, prefetch=pf, track_peak=False) for pf in (0, 1)}
-    times, waits = {0: [], 1: []}, {0: [], 1: []}
+    times, waits, last = {0: [], 1: []}, {0: [], 1: []}, {}
     for s in range(warmup + steps):
         b = data.batch(s, batch, rank, n)
         for pf in ((0, 1) if s % 2 == 0 else (1, 0)):
             eng = engines[pf]
             dist.barrier()
+            if s == warmup + steps - 1:     # the last step's trace, for the chapter's figures
+                eng.comm.reset()
+                eng.events.clear()
+                last[pf] = eng.comm.now()
             w0, t0 = eng.gather_wait_s, time.perf_counter()
             eng.backward(gpt_loss(eng, b)[1])
             eng.step()
@@ -148,5 +153,9 @@ def prefetch_timing(size="small", steps=16, batch=8, warmup=2):
             if s >= warmup:
                 times[pf].append(t.item())
                 waits[pf].append(eng.gather_wait_s - w0)
+    trace = {pf: {"events": [tuple(e) for e in engines[pf].events], "records": _records(engines[pf].comm),
+                  "t0": t0} for pf, t0 in last.items()}
+    eng = engines[1]
     return {"times": times, "waits": waits, "median_ratio": statistics.median(
-        a / b for a, b in zip(times[1], times[0]))}
+        a / b for a, b in zip(times[1], times[0])), "trace": trace, "units": eng.unit_sizes(),
+        "psi": eng.num_params, "shard_bytes": eng.memory_report()["params"]}

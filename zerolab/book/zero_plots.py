@@ -115,3 +115,92 @@ def table1_columns(models=(7.5e9, 128e9, 1e12), n_ds=(1, 4, 16, 64, 256, 1024), 
     """Rows (n_d, [GB for each model and stage]) of the paper's Table 1 (zerolab.theory.calculator.table1)."""
     t = calculator.table1(models, n_ds)
     return [(n_d, [t[psi][n_d][s - 1] for psi in models for s in stages]) for n_d in n_ds]
+
+
+STATE_COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868"}
+
+
+def model_state_bars(rows: dict, psi: int, title: str = ""):
+    """What one rank holds, measured: stacked bars of parameters, gradients and optimizer state,
+    in bytes per parameter. rows = {engine: memory_report()}."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    for x, (label, m) in enumerate(rows.items()):
+        bottom = 0.0
+        for kind, color in STATE_COLORS.items():
+            h = m[kind] / psi
+            ax.bar(x, h, bottom=bottom, color=color, width=0.55, edgecolor="white",
+                   label=kind if x == 0 else None)
+            if h >= 0.6:
+                ax.text(x, bottom + h / 2, f"{h:.1f}", ha="center", va="center", color="white", fontsize=8)
+            bottom += h
+        ax.text(x, bottom, f"{bottom:.1f}", ha="center", va="bottom", fontsize=9)
+    ax.set_xticks(range(len(rows)), list(rows))
+    ax.set_ylabel("bytes per parameter held by one rank")
+    ax.set_ylim(0, 1.12 * max(sum(m[k] for k in STATE_COLORS) / psi for m in rows.values()))
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def optimizer_views(views: list, title: str = ""):
+    """The elements of each parameter that each rank's optimizer steps, from run_optimizer_views.
+
+    views: one list per rank of (parameter name, parameter shape, shape of the tensor the rank's
+    optimizer holds). Slices are contiguous and in rank order, so each bar is the parameter, cut
+    where the ranks' slices meet.
+    """
+    rows = list(zip(*views))                  # per parameter: one (name, shape, held) per rank
+    fig, ax = plt.subplots(figsize=(8, 0.28 * len(rows) + 1.3))
+    for y, per_rank in enumerate(rows):
+        name, shape = per_rank[0][0], per_rank[0][1]
+        total, left = _numel(shape), 0
+        for r, (_, _, held) in enumerate(per_rank):
+            k = _numel(held)
+            if k:
+                ax.barh(y, k, left=left, color=RANK_COLORS[r % 8], height=0.7)
+                left += k
+        kept = [r for r, (_, _, held) in enumerate(per_rank) if _numel(held)]
+        how = f"whole on rank {kept[0]}" if len(kept) == 1 else "cut: " + " + ".join(
+            f"{_numel(per_rank[r][2]):,}" for r in kept)
+        ax.text(total * 1.01, y, how, va="center", fontsize=7)
+        assert left == total, (name, left, total)
+    for r in range(len(views)):
+        ax.barh(0, 0, color=RANK_COLORS[r % 8], label=f"stepped by rank {r}")
+    ax.set_yticks(range(len(rows)), [f"{r[0][0]} {tuple(r[0][1])}" for r in rows], fontsize=7)
+    ax.invert_yaxis()
+    longest = max(_numel(r[0][1]) for r in rows)
+    ax.set_xlim(0, longest * 1.35)
+    ax.set_xlabel("elements of the parameter")
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def state_shares(shares: dict, formula: float, title: str = ""):
+    """Optimizer-state bytes each rank holds, per optimizer: shares = {optimizer: [bytes per rank]};
+    formula: K Psi / N bytes, the even share."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    n = max(len(v) for v in shares.values())
+    width = 0.8 / n
+    for x, (label, per_rank) in enumerate(shares.items()):
+        for r, b in enumerate(per_rank):
+            pos = x - 0.4 + width * (r + 0.5)
+            ax.bar(pos, b / 2**10, width=width * 0.92, color=RANK_COLORS[r % 8],
+                   label=f"rank {r}" if x == 0 else None)
+            ax.text(pos, b / 2**10, f"{b / 2**10:,.0f}", ha="center", va="bottom", fontsize=7)
+    ax.axhline(formula / 2**10, color="black", ls="--", lw=1, label="K Psi / N (an even share)")
+    ax.set_xticks(range(len(shares)), list(shares), fontsize=8)
+    ax.set_ylabel("optimizer state held (KiB)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    fig.tight_layout()
+    return fig
