@@ -145,63 +145,107 @@ def chapter12(chapters: dict, header) -> str:
     return "\n".join(lines)
 
 
-def _offload_row(r, pcie):
-    t = r.get("transfers") or []
-    if t:
-        d2h, h2d = t[-1]["d2h"], t[-1]["h2d"]
-        moved = (f"{d2h[0] / 1e6:.0f} MB in {d2h[1] * 1e3:.1f} ms | {h2d[0] / 1e6:.0f} MB in {h2d[1] * 1e3:.1f} ms | "
-                 f"{2 * r['psi'] / 1e6:.0f} MB, {2 * r['psi'] / pcie['host_to_device'] * 1e3:.1f} ms")
-    else:
-        moved = "- | - | -"
-    diff = f"{r['max_abs_diff']:.1e}" if "max_abs_diff" in r else "-"
-    times = sorted(r["times"])
-    return (f"| {r['engine']} | {r['offload'] or 'none'} | {r['optimizer']} | {r['step_ms']:.0f} ({times[0] * 1e3:.0f}-"
-            f"{times[-1] * 1e3:.0f}) | {r['peak_bytes'] / 1e9:.2f} | {moved} | {diff} |")
+# ------------------------------------------------------------------ chapter 13
+
+import json        # noqa: E402  (chapter 13's own: it reads gpu/results/h200_* itself)
+import os          # noqa: E402
+import statistics  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "gpu",
+                       "results")
+H200_HOST_STEP = "h200_2026-11-26c"     # the host step with 16 threads for every row, and chapter 13 run there
+H200_OFFLOAD = "h200_2026-11-26"        # offload_cuda on the H200: the disk row ran there
+# the rows of the H200 table, in order: (label, row of host_step.json, zerolab's or DeepSpeed's)
+HOST_STEP_ROWS = (("whole iteration (forward, backward, step)", "zl iteration, fused", "DeepSpeed ZeRO-2 offload iteration"),
+                  ("the step (bus, casts, update, gather)", "zl step, fused", "DeepSpeed ZeRO-2 offload step"),
+                  ("the update alone, same flat tensors", "AdamW fused, alone", "DeepSpeedCPUAdam, alone"))
 
 
-def offload_speed(off: dict) -> dict:
-    """The second start's zerolab (fused host AdamW) and DeepSpeed (CPU-Adam) ZeRO-2 offload steps."""
+def _load(folder: str, name: str, results: str | None = None) -> dict | None:
+    path = os.path.join(results or RESULTS, folder, name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _spread(times: list) -> dict:
+    """median, min and max in ms of the rounds after the first (the warm-up)."""
+    ms = [1e3 * t for t in times[1:]]
+    return {"median": statistics.median(ms), "min": min(ms), "max": max(ms), "rounds": len(ms)}
+
+
+def h200_host_step(results: str | None = None) -> dict | None:
+    """The H200 run with equal host threads (gpu.host_step): {row name: median/min/max ms} computed
+    from the rounds the file holds, with the run's thread count; None when the file is missing."""
+    hs = _load(H200_HOST_STEP, "host_step.json", results)
+    if hs is None:
+        return None
+    rows = {name: _spread(times) for name, times in hs["rows"].items()}
+    for name, r in rows.items():                # the script's own summary, recomputed here
+        assert abs(r["median"] - hs["table"][name]["median_ms"]) < 1e-6, name
+    return {"machine": hs["machine"], "threads": hs["threads"], "psi": hs["psi"], "rows": rows,
+            "host_bytes": hs["host_bytes"]}
+
+
+def h200_disk_row(results: str | None = None) -> dict | None:
+    """offload="disk" on the H200 (gpu.offload_cuda under zl.launch: one host thread), beside
+    offload="optimizer" at the same stage and without offload, from the same start."""
+    off = _load(H200_OFFLOAD, "offload_cuda.json", results)
+    if off is None:
+        return None
+    rows = {(r["stage"], r["offload"], r.get("host_adam_fused")): r for r in off["rows"] if r.get("ok")}
+    disk = rows[(3, "disk", True)]
+    return {"disk_ms": disk["step_ms"], "optimizer_ms": rows[(3, "optimizer", True)]["step_ms"],
+            "no_offload_ms": rows[(3, None, False)]["step_ms"],
+            "written_per_step": [w for _, w in disk["disk_io"]], "read_per_step": [r for r, _ in disk["disk_io"]]}
+
+
+def h100_speed(off: dict) -> dict:
+    """The H100 run's second start (gpu.offload_cuda under zl.launch): zerolab's host AdamW on the one
+    thread zl.launch gives each rank, DeepSpeed's CPU-Adam its own OpenMP loop."""
     rows = off["runs"]["second"]["rows"]
     zl = next(r for r in rows if r.get("ok") and r["engine"] == "zl.ZeRO-2" and r.get("host_adam_fused"))
-    plain = next(r for r in rows if r.get("ok") and r["engine"] == "zl.ZeRO-2" and r["offload"] and not r.get("host_adam_fused"))
     ds = next(r for r in rows if r.get("ok") and r["engine"] == "DeepSpeed ZeRO-2")
-    gpu = next(r for r in rows if r.get("ok") and r["engine"] == "zl.ZeRO-2" and not r["offload"])
-    first = [r for r in off["runs"]["first"]["rows"] if r.get("ok") and r["engine"] == "zl.ZeRO-2" and r["offload"]][0]
-    return {"zl_fused_ms": zl["step_ms"], "zl_plain_ms": plain["step_ms"], "deepspeed_ms": ds["step_ms"],
-            "no_offload_ms": gpu["step_ms"], "zl_over_deepspeed": zl["step_ms"] / ds["step_ms"],
-            "h2d_ms_before": first["transfers"][-1]["h2d"][1] * 1e3, "h2d_ms_after": zl["transfers"][-1]["h2d"][1] * 1e3}
+    return {"zl_fused_ms": zl["step_ms"], "deepspeed_ms": ds["step_ms"], "zl_over_deepspeed": zl["step_ms"] / ds["step_ms"]}
 
 
 def chapter13(off: dict, chapters: dict, header) -> str:
-    s = offload_speed(off)
-    lines = [header(off["machine"]), "",
-             "Offload on CUDA, world 1: the 163 M-parameter GPT (GPT-2 small shape, untied head) in bf16, 8 sequences "
-             "of 1,024 tokens a step; one run per row on each of two machine starts, median step of 3 after 2 warm-up "
-             "steps (min-max in brackets); zerolab's ledger "
-             "of device-host copies (`engine.transfers`) per step beside the closed form 2Ψ bytes each way (bf16) and "
-             "those bytes at the pinned copy rate measured first; the largest difference of any weight after 5 steps "
-             "from the same stage without offload (on a GPU one update runs on the GPU and one on the host, so they "
-             "differ by round-off; on the CPU this chapter shows them equal bit for bit).", ""]
-    head = ["| engine | offload | optimizer | step (ms) | GPU peak (GB) | down (d2h) | up (h2d) | closed form, at the "
-            "pinned rate | max weight diff |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    for run, title in (("second", "Second machine start"), ("first", "First machine start")):
-        r = off["runs"][run]
-        lines += [f"**{title}** (pinned copies {r['pcie']['host_to_device'] / 1e9:.1f} GB/s up, "
-                  f"{r['pcie']['device_to_host'] / 1e9:.1f} GB/s down). {r['note'][0].upper() + r['note'][1:]}.", "", *head]
-        for row in r["rows"]:
-            lines.append(_offload_row(row, r["pcie"]) if row.get("ok") else
-                         f"| {row['engine']} | {row['offload']} | not run: {row['error'][:80]} | | | | | | |")
-        lines.append("")
-    lines += [f"The host's optimizer is the step here: ZeRO-2 without offload takes {s['no_offload_ms']:.0f} ms, with "
-              f"offload {s['zl_plain_ms']:.0f} ms with torch's AdamW, {s['zl_fused_ms']:.0f} ms with "
-              f"`AdamW(fused=True)` (one vectorised pass over the shard), and DeepSpeed's CPU-Adam {s['deepspeed_ms']:.0f} ms: "
-              f"zerolab's offloaded step is {s['zl_over_deepspeed']:.2f}x DeepSpeed's. The copies are not the cost: "
-              f"sending the bf16 parameters up took {s['h2d_ms_before']:.0f} ms when the host converted fp32 to bf16 inside "
-              f"the copy (one core) and {s['h2d_ms_after']:.0f} ms once it converts first, into pinned memory, on all cores."]
-    ch = chapters["chapters"].get("13_offload.ipynb")
-    if ch and not ch["ok"]:
-        lines += ["", "This chapter's own cells, executed on the GPU box, stopped at the memory-budget check: host "
-                  "buffers were pinned there for CPU tensors too, and pinning creates a CUDA context (hundreds of MB "
-                  "of the process's memory). zerolab pins only the buffers a GPU copies; the chapter has not been "
-                  "executed on a GPU since."]
+    """Chapter 13's GPU text: the H200 run with 16 host threads for every row (the host step beside
+    DeepSpeed's), the disk row of the H200's offload run, chapter 13 executed there, and why the
+    earlier H100 comparison came out the other way round."""
+    hs, disk = h200_host_step(), h200_disk_row()
+    ran = _load(H200_HOST_STEP, "chapter_13_offload.json")
+    if hs is None or disk is None or ran is None:
+        return f"No GPU results here (gpu/results/{H200_HOST_STEP} or {H200_OFFLOAD} missing)."
+    m, r = hs["machine"], hs["rows"]
+    cell = lambda name: (f"{r[name]['median']:.1f} ({r[name]['min']:.1f}-{r[name]['max']:.1f})")   # noqa: E731
+    lines = [f"**Measured on a GPU ({m['device']}, {m['date']})**: torch {m['torch']}, CUDA {m['cuda']}, driver "
+             f"{m['driver']}; written by `python -m gpu.host_step --device cuda --deepspeed`, not re-run here.", "",
+             f"The {hs['psi'] / 1e6:.0f} M-parameter GPT in bf16, world 1, `offload=\"optimizer\"` at stage 2; 8 "
+             f"sequences of 1,024 tokens a backward; **{hs['threads']} host threads for every row**. Milliseconds, "
+             f"median (min-max) of {r['zl iteration, fused']['rounds']} rounds after a warm-up round, rows taken in "
+             "turn. zerolab runs `AdamW(fused=True)` on the host; DeepSpeed its compiled CPU-Adam. DeepSpeed's "
+             "rows clip the gradient norm to 1.0 (its default in that run); zerolab's do not clip.", "",
+             "| what | zerolab | DeepSpeed | zerolab / DeepSpeed |", "|---|---:|---:|---:|"]
+    for label, ours, theirs in HOST_STEP_ROWS:
+        lines.append(f"| {label} | {cell(ours)} | {cell(theirs)} | {r[ours]['median'] / r[theirs]['median']:.2f} |")
+    lines += ["", f"Inside zerolab's step: the update {cell('zl step, fused: the update inside')}, the bus copies "
+              f"{cell('zl step, fused: bus copies')}, the casts, check and gather {cell('zl step, fused: rest (casts, check, gather)')}. "
+              f"With torch's default foreach AdamW the update alone takes {cell('AdamW foreach, alone')} and the "
+              f"iteration {cell('zl iteration, foreach')}. DeepSpeed's step is the shorter because its gradients "
+              "went down to the host during the backward; zerolab's go down after it.", "",
+              f"`offload=\"disk\"` on the same H200 (an earlier start, run by `gpu.offload_cuda` under `zl.launch`, "
+              f"so its host update had one thread): {disk['disk_ms']:,.0f} ms a step at stage 3, against "
+              f"{disk['optimizer_ms']:,.0f} ms with `offload=\"optimizer\"` and {disk['no_offload_ms']:.0f} ms "
+              f"without offload, writing {min(disk['written_per_step']) / 1e9:.2f}-{max(disk['written_per_step']) / 1e9:.2f} "
+              f"GB a step; it read {max(disk['read_per_step'])} bytes from the drive (the page cache served every read).", "",
+              f"This chapter ran to the end on that H200 in {ran['seconds']:.1f} s; every cell printed what it prints "
+              "here except the two that print timings and the resident set."]
+    h = h100_speed(off)
+    lines += ["", f"An earlier H100 run (gpu/results/offload_cuda.json) put zerolab's offloaded step at "
+              f"{h['zl_over_deepspeed']:.2f}x DeepSpeed's ({h['zl_fused_ms']:.0f} against {h['deepspeed_ms']:.0f} ms). "
+              "It was not like for like: that script started its rank with `zl.launch`, which gives each rank one "
+              "thread, so zerolab's host AdamW ran on one core while DeepSpeed's CPU-Adam ran its own OpenMP loop "
+              "over the host's cores. With the same threads for both, the order reverses."]
     return "\n".join(lines)

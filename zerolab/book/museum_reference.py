@@ -57,9 +57,11 @@ class Lamb(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.trust = []                 # the last step's trust ratio of each tensor, in order
 
     @torch.no_grad()
     def step(self, closure=None):
+        self.trust = []
         for group in self.param_groups:
             b1, b2 = group["betas"]
             for p in group["params"]:
@@ -76,6 +78,7 @@ class Lamb(torch.optim.Optimizer):
                 update = m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * p
                 w, u = p.norm(), update.norm()
                 trust = (w / u) if w > 0 and u > 0 else torch.tensor(1.0)
+                self.trust.append(float(trust))
                 p.add_(update, alpha=-group["lr"] * float(trust))
 
 
@@ -120,6 +123,45 @@ def lamb_on_flat_partitions(steps: int = 2, world: int = WORLD) -> dict:
         with torch.no_grad():
             torch.nn.utils.vector_to_parameters(new, params)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def trust_ratios(world: int = WORLD) -> dict:
+    """The trust ratio LAMB's first step gives every element of the model's parameters laid end to
+    end: per TENSOR in one process, per SLICE over `world` flat partitions (the gradient is the
+    global batch's in both). Returns the per-element ratios of each, the tensors' names, offsets and
+    sizes in the flat order, and where the slices' edges fall."""
+    model = mlp()
+    model(global_batch(0)).pow(2).mean().backward()
+    named = list(model.named_parameters())
+    sizes = [p.numel() for _, p in named]
+    total = sum(sizes)
+    padded = -(-total // world) * world
+    flat_w, flat_g = torch.zeros(padded), torch.zeros(padded)
+    flat_w[:total] = torch.cat([p.detach().reshape(-1) for _, p in named])
+    flat_g[:total] = torch.cat([p.grad.reshape(-1) for _, p in named])
+    slices = [nn.Parameter(s.clone()) for s in flat_w.chunk(world)]
+    for s, g in zip(slices, flat_g.chunk(world)):
+        s.grad = g.clone()
+    on_slices = Lamb(slices, lr=0.05)
+    on_slices.step()
+    whole = Lamb([p for _, p in named], lr=0.05)
+    whole.step()
+    shard = padded // world
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    return {"names": [n for n, _ in named], "offsets": offsets, "sizes": sizes, "total": total,
+            "edges": [shard * r for r in range(1, world)],
+            "one process": [r for r, k in zip(whole.trust, sizes) for _ in range(k)],
+            "flat partitions": [on_slices.trust[i // shard] for i in range(total)]}
+
+
+def token_weights(world: int = WORLD, micro: int = 2) -> dict:
+    """The weight each token that counts gets in the step's gradient, micro-batch by micro-batch:
+    under the habit (each micro-batch's own mean, divided by the micro-batches, averaged over the
+    ranks) 1 / (micro x world x its tokens); under the token mean 1 / (all tokens of the step)."""
+    counts = [int((token_batch(r, m)[1] != -100).sum()) for r in range(world) for m in range(micro)]
+    total = sum(counts)
+    return {"labels": [f"rank {r}, micro-batch {m}" for r in range(world) for m in range(micro)], "tokens": counts,
+            "habit": [1 / (micro * world * n) for n in counts], "token mean": [1 / total] * len(counts)}
 
 
 def clip_one_process(max_norm: float) -> tuple:

@@ -226,6 +226,16 @@ def bytes_worker(offload_dir):
     return out
 
 
+def closed_bytes(k: int, mode: str, c: int, g: int) -> dict:
+    """The closed forms of what one rank moves per step (one micro-batch), k elements in its shard,
+    c bytes per element of the compute dtype, g of the reduced gradient: d2h = g k, h2d = c k, and
+    from disk read = (2c + 2g + 12) k, written = (c + g + 12) k (fp32 master and Adam's moments)."""
+    out = {"d2h": g * k, "h2d": c * k, "read": 0, "written": 0}
+    if mode == "disk":
+        out.update(read=(2 * c + 2 * g + 12) * k, written=(c + g + 12) * k)
+    return out
+
+
 def files_bytes(directory) -> int:
     """Bytes in this rank's offload files (the .bin files; a .tmp is a write in progress)."""
     return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory) if f.endswith(".bin"))

@@ -68,12 +68,13 @@ def dim0_padding(shapes, n) -> int:
     return out
 
 
-def cut_exchange_bytes(buckets, n) -> int:
-    """12 (N-1) L, the bytes each rank sends per step for the matrices a shard's edge cuts:
-    buckets: [(padded size, [(offset, size, stepped whole?)])]; L: the most elements one rank holds
-    of the parameters one other rank owns (the owner: the rank with the largest piece)."""
-    held: dict = {}
-    for padded, params in buckets:
+def cut_pieces(buckets, n) -> list:
+    """The parameters a shard's edge cuts, among those stepped whole: one dict per cut parameter,
+    {"bucket", "offset", "size", "pieces": {rank: elements it holds}, "owner"}, the owner being the
+    rank with the largest piece (the lowest on a tie). buckets: [(padded size, [(offset, size,
+    stepped whole?)])], as `cut_exchange_bytes` takes them."""
+    out = []
+    for b, (padded, params) in enumerate(buckets):
         shard = padded // n
         for o, k, whole in params:
             ranks = list(range(o // shard, (o + k - 1) // shard + 1))
@@ -81,10 +82,26 @@ def cut_exchange_bytes(buckets, n) -> int:
                 continue
             piece = {r: min(o + k, (r + 1) * shard) - max(o, r * shard) for r in ranks}
             owner = min(ranks, key=lambda r: (-piece[r], r))
-            for r in ranks:
-                if r != owner:
-                    held[(r, owner)] = held.get((r, owner), 0) + piece[r]
-    return 12 * (n - 1) * max(held.values(), default=0)
+            out.append({"bucket": b, "offset": o, "size": k, "pieces": piece, "owner": owner})
+    return out
+
+
+def exchange_blocks(buckets, n) -> list:
+    """held[r][o]: the elements rank r holds of the parameters rank o owns (r != o), summed over the
+    buckets: the blocks of the exchange's all-to-all before they are padded to the largest, L."""
+    held = [[0] * n for _ in range(n)]
+    for cut in cut_pieces(buckets, n):
+        for r, k in cut["pieces"].items():
+            if r != cut["owner"]:
+                held[r][cut["owner"]] += k
+    return held
+
+
+def cut_exchange_bytes(buckets, n) -> int:
+    """12 (N-1) L, the bytes each rank sends per step for the matrices a shard's edge cuts:
+    buckets: [(padded size, [(offset, size, stepped whole?)])]; L: the most elements one rank holds
+    of the parameters one other rank owns (the owner: the rank with the largest piece)."""
+    return 12 * (n - 1) * max(max(row) for row in exchange_blocks(buckets, n))
 
 
 # ------------------------------------------------------------------ FSDP2's collectives, counted
@@ -261,11 +278,20 @@ def _muon_and_adamw(named):
     return zl.CombinedOptimizer(torch.optim.Muon(matrices, **MUON), torch.optim.AdamW(rest, **ADAMW))
 
 
-def _layout(engine, whole):
-    buckets = [u.buckets["train"] for u in engine.units if "train" in u.buckets] \
+def _buckets(engine):
+    return [u.buckets["train"] for u in engine.units if "train" in u.buckets] \
         if hasattr(engine, "units") else engine.buckets.buckets
+
+
+def _layout(engine, whole):
     return [(b.padded_numel, [(o, k, id(p) in whole) for p, o, k in zip(b.params, b.offsets, b.sizes)])
-            for b in buckets]
+            for b in _buckets(engine)]
+
+
+def _names(engine, model):
+    """Each bucket's parameter names, in the order `_layout` lists them."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [[names.get(id(p), "?") for p in b.params] for b in _buckets(engine)]
 
 
 def muon_on_zero(stages=(2, 3), steps=5):
@@ -294,6 +320,7 @@ def muon_on_zero(stages=(2, 3), steps=5):
                 "exchange": engine.comm.bytes(tag="whole:"),
                 "engine": engine.comm.bytes() - engine.comm.bytes(tag="whole:"),
                 "predicted": cut_exchange_bytes(_layout(engine, whole), engine.world_size),
+                "layout": _layout(engine, whole), "names": _names(engine, model),
                 "optimizer": engine.memory_report()["optimizer"], "times": times,
                 "weights": engine.full_state_dict()}
     return out

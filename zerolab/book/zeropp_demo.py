@@ -306,6 +306,7 @@ def schematic(options, n=N, g=G):
         ax.set_ylim(-1.7 * (len(rows) - 1) - 0.95, 0.75)
         ax.set_aspect("equal")
         ax.axis("off")
+    fig.suptitle(f"Who sends to whom: {n // g} nodes of {g} ranks (red: across nodes, blue: inside)", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -326,6 +327,7 @@ def bytes_figure(rows):
         ax.set_title(f"{dtype} (measured)", fontsize=9)
     axes[0].invert_yaxis()                     # shared: once for both
     axes[1].legend(fontsize=7, loc="lower right")
+    fig.suptitle("Bytes per node per step, by the link they cross", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -351,6 +353,7 @@ def loss_figure(curves, reference, window=15):
     bx.set_xlabel("step")
     bx.set_ylabel(f"gap to {reference} (%)", fontsize=8)
     bx.legend(fontsize=7)
+    fig.suptitle("Training loss with the quantized options, beside one process", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -379,5 +382,6 @@ def cost_figure(panels):
     from matplotlib.patches import Patch
     axes[0][-1].legend(handles=[Patch(color=color, alpha=1.0 if label == "network" else 0.6, label=f"bound by {label}")
                                 for label, color in colors.items()], fontsize=7, loc="lower right")
+    fig.suptitle("Communication per step from the cost model, by option", fontsize=10)
     fig.tight_layout()
     return fig
