@@ -9,13 +9,15 @@ and plot. One module per idea of a chapter:
     memory_demo, plots               chapter 3: where the memory goes (plots: shared bar charts)
     dp_demo, timeline, cost_plots    chapters 4 and 5: collectives, data parallelism, the cost model's figures
     zero_demo, zero_plots            chapters 6 and 7: ZeRO-1 and ZeRO-2
-    zero3_demo, zero3_plots, zero3_cost   chapter 8: ZeRO-3, and when its traffic hides
+    zero3_demo, zero3_plots, zero3_trace, zero3_cost   chapter 8: ZeRO-3, its traces, and when its traffic hides
     zero_r_demo, zero_r_plots        chapter 9: ZeRO-R
     scaling_demo, bench_plots        chapter 10: scaling up, the benchmark's figures
     paper_tables, stage_choice       chapter 10: the paper's printed tables; choosing a stage
     own_model_demo, own_model_failures   chapter 11: a Hugging Face model, and what breaks
     zeropp_demo                      chapter 12: ZeRO++ and HSDP, bytes by link class, schematics
     offload_demo, offload_plots      chapter 13: offload to host memory and to disk, measured
+    per_parameter_demo, per_parameter_plots   chapter 14: FSDP2's per-parameter sharding, whole-matrix optimizers
+    museum, museum_reference, museum_plots    chapter 15: users' failures reproduced, diagnosed, fixed
     web_widgets                      chapters 1, 3, 10: calculators that work in the page, no kernel
     gpu_results                      chapters 2, 5, 8, 9, 10: what was measured on a GPU (gpu/results/)
     source                           chapters 2, 6, 7, 8: library source printed beside the prose
