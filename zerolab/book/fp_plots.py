@@ -328,8 +328,7 @@ def plot_bytes_per_param(rows: dict):
                label="allocated inside step()" if x == 0 else None)
         ax.text(x, bottom + r["step increment"] + 0.3, f"peak {r['peak during step']:.1f}", ha="center",
                 fontsize=8)
-    ax.axhline(16, color="k", ls="--", lw=0.8)
-    ax.text(-0.45, 16.3, "paper: 16", ha="left", fontsize=8)
+    ax.axhline(16, color="k", ls="--", lw=0.8, label="the paper's 16 bytes")
     ax.set_xticks(range(len(rows)), list(rows))
     ax.set_xlabel("training precision")
     ax.set_ylabel("bytes per parameter")
@@ -345,8 +344,8 @@ def plot_stalled_update(paths: dict, lr: float):
     moves steadily, and its fp16 copy (what the forward pass uses) follows it in steps of one
     fp16 spacing. `paths` is mixed_precision_demo.stalled_update_paths's result."""
     fig, ax = plt.subplots(figsize=(8, 3.4))
-    styles = {"fp16 weight": ("tab:red", "-", 2.0), "fp32 master": ("tab:blue", "--", 1.2),
-              "fp16 of master": ("tab:green", "-", 2.5)}
+    styles = {"fp16 weight": ("tab:red", "-", 2.0), "fp32 master": ("black", "--", 1.0),
+              "fp16 of master": ("tab:green", "-", 1.5)}
     for key in ("fp16 weight", "fp16 of master", "fp32 master"):     # the master drawn on top
         path = paths[key]
         color, style, lw = styles[key]
