@@ -117,6 +117,65 @@ def plot_gradient_underflow(grad_abs, scales=(1.0, 2.0**8, 2.0**16)):
     return fig
 
 
+def plot_stochastic_rounding(nearest, means, samples, delta: float, fmt: str = "fp16"):
+    """A weight at 1.0 receiving the same small update every step, stored in `fmt`: the
+    nearest-rounded weight (flat), a few stochastically rounded weights (each a random walk
+    between neighbours), their mean over all weights, and the exact sum. Arguments are the
+    per-step values the chapter's run recorded."""
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    steps = np.arange(1, len(nearest) + 1)
+    for i, path in enumerate(samples):
+        ax.plot(steps, path, color=COLORS["bf16"], lw=0.6, alpha=0.5,
+                label="one weight, stochastic rounding" if i == 0 else None)
+    ax.plot(steps, means, color=COLORS["bf16"], lw=2, label="mean of all weights, stochastic")
+    ax.plot(steps, 1 + delta * steps, "k--", lw=1, label="exact: 1 + steps x update")
+    ax.plot(steps, nearest, color=COLORS["fp16"], lw=2, label="round to nearest")
+    ax.set_xlabel("update step")
+    ax.set_ylabel(f"weight stored in {fmt}")
+    ax.set_title(f"Adding {delta:g} per step in {fmt}: nearest rounding never moves, "
+                 "stochastic rounding is right on average", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def running_sum(value: float, n: int, fmt: str) -> list:
+    """The left-to-right running total of n copies of `value`, stored in `fmt` after every
+    addition: N.sum_naive's arithmetic, every partial sum kept."""
+    term, total, out = N.round_to(value, fmt), 0.0, []
+    for _ in range(n):
+        total = N.round_to(total + term, fmt)
+        out.append(total)
+    assert out[-1] == N.sum_naive([value] * n, fmt)
+    return out
+
+
+def plot_running_sum(value: float = 0.1, n: int = 4096, fmt: str = "fp16"):
+    """The running total of n copies of `value` in `fmt` against the exact running total: each
+    addition rounds to the spacing at the total, so the sum drifts and then stops where half
+    the spacing exceeds the term."""
+    naive = running_sum(value, n, fmt)
+    term = N.round_to(value, fmt)
+    ks = np.arange(1, n + 1)
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    ax.plot(ks, ks * term, "k--", lw=1, label="exact running sum")
+    ax.plot(ks, naive, color=COLORS[fmt], lw=2, label=f"running sum stored in {fmt}")
+    stop = naive[-1]
+    first = naive.index(stop) + 1
+    ax.axhline(stop, color=COLORS[fmt], lw=0.6, ls=":")
+    ax.annotate(f"stuck at {stop:g}: spacing {N.ulp(stop, fmt):g} there,\nhalf of it is more than {value:g}",
+                (first, stop), (first + 0.05 * n, stop * 0.55), fontsize=8,
+                arrowprops=dict(arrowstyle="->", lw=0.8))
+    ax.set_xlabel("values added")
+    ax.set_ylabel("running sum")
+    ax.set_title(f"Adding {value:g} {n} times, rounding to {fmt} after every addition", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
 # ------------------------------------------------------------------ chapter 2
 
 
@@ -245,5 +304,57 @@ def plot_scaler_rules(pattern, trajectories: dict):
     ax.set_ylabel("log2(scale) after the step")
     ax.legend(fontsize=8, loc="lower left")
     ax.set_title("One pattern of overflows, four scaling rules", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_bytes_per_param(rows: dict):
+    """Measured bytes per parameter of model states in each precision (stacked by kind), with
+    what the step allocates on top of them at its peak (hatched): `rows` is
+    mixed_precision_demo.memory_per_param's result per precision."""
+    kinds = [("params", "tab:blue"), ("grads", "tab:orange"), ("master", "tab:purple"),
+             ("moments+counters", "tab:green")]
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for x, (precision, r) in enumerate(rows.items()):
+        bottom = 0.0
+        for kind, color in kinds:
+            ax.bar(x, r[kind], bottom=bottom, color=color, width=0.6, edgecolor="white",
+                   label=kind if x == 0 else None)
+            if r[kind] > 0:
+                ax.text(x, bottom + r[kind] / 2, f"{r[kind]:.0f}", ha="center", va="center", fontsize=8,
+                        color="white")
+            bottom += r[kind]
+        ax.bar(x, r["step increment"], bottom=bottom, width=0.6, fill=False, hatch="//", edgecolor="gray",
+               label="allocated inside step()" if x == 0 else None)
+        ax.text(x, bottom + r["step increment"] + 0.3, f"peak {r['peak during step']:.1f}", ha="center",
+                fontsize=8)
+    ax.axhline(16, color="k", ls="--", lw=0.8, label="the paper's 16 bytes")
+    ax.set_xticks(range(len(rows)), list(rows))
+    ax.set_xlabel("training precision")
+    ax.set_ylabel("bytes per parameter")
+    ax.set_ylim(0, 25)
+    ax.set_title("AdamW model states, measured: 16 bytes per parameter in every precision", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+def plot_stalled_update(paths: dict, lr: float):
+    """One weight pushed down by `lr` every step: kept in fp16 it never moves; the fp32 master
+    moves steadily, and its fp16 copy (what the forward pass uses) follows it in steps of one
+    fp16 spacing. `paths` is mixed_precision_demo.stalled_update_paths's result."""
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    styles = {"fp16 weight": ("tab:red", "-", 2.0), "fp32 master": ("black", "--", 1.0),
+              "fp16 of master": ("tab:green", "-", 1.5)}
+    for key in ("fp16 weight", "fp16 of master", "fp32 master"):     # the master drawn on top
+        path = paths[key]
+        color, style, lw = styles[key]
+        ax.plot(range(1, len(path) + 1), path, style, color=color, lw=lw, label=key,
+                drawstyle="steps-post" if key.startswith("fp16") else "default")
+    ax.set_xlabel("update step")
+    ax.set_ylabel("weight value")
+    ax.set_title(f"Updates of {lr:g} on a weight at 1.0: lost in fp16, kept by the fp32 master", fontsize=10)
+    ax.legend(fontsize=8, loc="lower left")
+    ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig

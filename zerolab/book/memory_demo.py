@@ -69,7 +69,8 @@ def replicated_step(size: str = "small", batch_size: int = 8, seed: int = 0) -> 
 
     Each rank trains on its share of the batch, all-reduces every gradient (through the
     ledger, so the bytes are counted), and steps its own full AdamW. Returns this rank's
-    measured model states, what it sent, and its parameters after the step (one flat tensor).
+    measured model states in bytes ("params", "grads", "optimizer", "total"), what it sent, and
+    its parameters' values after the step ("param_values", one flat tensor).
     """
     torch.manual_seed(seed)  # same seed on every rank: identical starting models
     cfg = models.gpt_config(size)
@@ -84,9 +85,9 @@ def replicated_step(size: str = "small", batch_size: int = 8, seed: int = 0) -> 
         p.grad /= world_size()
     optimizer.step()
     states = memory.model_state_bytes_measured(model, optimizer)
-    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    values = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"rank": rank(), **states, "numel": models.num_params(model), "bytes_sent": ledger.bytes(),
-            "params": params}
+            "param_values": values}
 
 
 def table1(psis=(7.5e9, 128e9, 1e12), n_ds=(1, 4, 16, 64, 256, 1024)) -> list:

@@ -170,16 +170,25 @@ def scaled_gradient_overflow(steps: int = 12, init_scale: float = 2.0**30) -> di
     return train("fp16", steps, scaler=scaler, lr=CONFIG["lr"])
 
 
-def stalled_update_demo(lr: float = 1e-4, steps: int = 200) -> dict:
-    """One weight at 1.0 pushed by Adam-sized updates (about lr each): kept in fp16 it never
-    moves, kept as an fp32 master it moves by lr * steps."""
+def stalled_update_paths(lr: float = 1e-4, steps: int = 200) -> dict:
+    """One weight at 1.0 pushed by Adam-sized updates (about lr each), step by step: kept in fp16
+    it never moves; kept as an fp32 master it moves by lr * steps, and the master's fp16 copy
+    (what the next forward pass uses) follows it one fp16 spacing at a time."""
     fp16 = torch.tensor(1.0, dtype=torch.float16)
     master = torch.tensor(1.0, dtype=torch.float32)
+    paths = {"fp16 weight": [], "fp32 master": [], "fp16 of master": []}
     for _ in range(steps):
         fp16 = (fp16.float() - lr).to(torch.float16)  # update computed in fp32, stored in fp16
         master = master - lr
-    return {"fp16 weight": fp16.item(), "fp32 master": master.item(),
-            "fp16 of master": master.to(torch.float16).item()}
+        paths["fp16 weight"].append(fp16.item())
+        paths["fp32 master"].append(master.item())
+        paths["fp16 of master"].append(master.to(torch.float16).item())
+    return paths
+
+
+def stalled_update_demo(lr: float = 1e-4, steps: int = 200) -> dict:
+    """stalled_update_paths' values after the last step."""
+    return {key: path[-1] for key, path in stalled_update_paths(lr, steps).items()}
 
 
 def scale_collapse_demo(steps: int = 40, min_scale: float = 1.0, hysteresis: int = 1) -> dict:

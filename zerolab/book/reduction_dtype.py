@@ -38,7 +38,7 @@ def all_reduce_fp16(numel: int = 4096) -> dict:
 def compare(results: list, numel: int = 4096) -> dict:
     """What the collective returned against two references computed here, in one process:
     the sum accumulated exactly (float64) and rounded once to fp16, as an fp32
-    accumulator nearly always gives,, and every order of fp16 additions."""
+    accumulator nearly always gives, and every order of fp16 additions."""
     world = len(results)
     xs = [inputs(r, numel) for r in range(world)]
     got = results[0]["sum"]
