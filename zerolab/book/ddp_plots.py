@@ -60,7 +60,7 @@ def bucket_lanes_figure(runs: dict, labels: list, rank: int = 0):
         ax.invert_yaxis()
         ax.set_title(f"{name}: waited {w1 - w0:.1f} ms after the backward's compute (rank {rank})", fontsize=9)
         ax.grid(True, axis="x", alpha=0.3)
-    axes[-1].set_xlabel("ms since the step began (one step, 2 ranks, GPT-small, 1 MiB buckets)")
+    axes[-1].set_xlabel("ms since the step began (each rank's own clock)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COMPUTE_COLORS.values()]
     handles += [plt.Rectangle((0, 0), 1, 1, color=COMM_COLOR),
                 plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="#C44E52", hatch="///")]
