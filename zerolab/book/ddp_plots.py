@@ -163,7 +163,8 @@ def tokens_to_hide_figure(psi: float, n: int = 64, nics=(8, 2, 1), cluster: cm.C
 MEMORY_COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868"}
 
 
-def duplicated_memory_figure(reports: list, psi: int, per_param=(("params", 2), ("grads", 2), ("optimizer", 12))):
+def duplicated_memory_figure(reports: list, psi: int, per_param=(("params", 2), ("grads", 2), ("optimizer", 12)),
+                             model: str = "GPT-small"):
     """reports: each rank's memory_report() (bytes); one stacked bar per rank, and one for the paper's
     (2 + 2 + 12) psi, in MB: every rank holds a whole copy."""
     import matplotlib.pyplot as plt
@@ -181,7 +182,7 @@ def duplicated_memory_figure(reports: list, psi: int, per_param=(("params", 2), 
             bottom += h
     ax.set_xticks(range(len(bars)), [name for name, _ in bars], fontsize=8)
     ax.set_ylabel("model states (MB)")
-    ax.set_title(f"Every rank holds a whole copy: GPT-small ({psi:,} parameters), bf16 AdamW", fontsize=9)
+    ax.set_title(f"Every rank holds a whole copy: {model} ({psi:,} parameters), bf16 AdamW", fontsize=9)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig
