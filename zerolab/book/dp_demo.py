@@ -27,8 +27,10 @@ def start_values(rank: int, numel: int = 4) -> torch.Tensor:
     return torch.arange(1, numel + 1, dtype=torch.float32) + 10 * rank
 
 
-def who_holds_what():
-    """Every collective on the same small tensors: what this rank holds before and after."""
+def who_holds_what(with_bytes: bool = False):
+    """Every collective on the same small tensors: what this rank holds before and after.
+
+    with_bytes: return (holdings, {op: bytes this rank's ledger booked for it}) instead."""
     r, n = dist.get_rank(), dist.get_world_size()
     led = Ledger()
     out = {}
@@ -54,7 +56,14 @@ def who_holds_what():
     full = torch.empty(n)
     led.all_gather(full, mine)
     out["all_gather"] = ([None] * r + mine.tolist() + [None] * (n - r - 1), full.tolist())
-    return out
+    if not with_bytes:
+        return out
+    sent = dict.fromkeys(out, 0)
+    for rec in led.records:
+        op = "reduce" if rec.tag == "naive_reduce" else rec.op
+        if op in sent:
+            sent[op] += rec.bytes_sent
+    return out, sent
 
 
 def ring_steps():
@@ -254,8 +263,9 @@ def optimizer_step_times(size: str = "small", bucket_mb: float = 1.0, steps: int
     """AdamW steps on a GPT's parameters three ways: one tensor at a time (torch's default on a
     CPU), all parameters in each operation (foreach=True, what the engines turn on), and the same
     numbers laid out in flat buckets as zl.DDP lays them out. Every step's ms for each (the three
-    alternate, so a busy moment of the machine hits all of them), and the largest difference
-    between the parameter-wise and the flat results after `steps` steps (the same random gradients)."""
+    alternate, so a busy moment of the machine hits all of them), the largest difference between
+    the parameter-wise and the flat results after `steps` steps (the same random gradients), and
+    the operator calls one more step of each makes (aten_calls)."""
     from ..buckets import FlatBuckets, bucket_order
     torch.manual_seed(0)
     separate = GPT(gpt_config(size))
@@ -285,6 +295,31 @@ def optimizer_step_times(size: str = "small", bucket_mb: float = 1.0, steps: int
             times[name].append(time.perf_counter() - t)
     diff = max(max((p - q).abs().max().item(), (p2 - q).abs().max().item())
                for p, p2, q in zip(params, params_together, flat_model.parameters()))
+    # then one more step of each, counting the calls it makes into PyTorch's operators (exact)
+    ops = {name: aten_calls(opt.step) for name, opt in optimizers.items()}
     return {"tensors": len(params), "buckets": len(flats), "max_abs_diff": diff,
             **{k: statistics.median(v) * 1e3 for k, v in times.items()},
-            "ms": {k: [t * 1e3 for t in v] for k, v in times.items()}}
+            "ms": {k: [t * 1e3 for t in v] for k, v in times.items()}, "ops": ops}
+
+
+def aten_calls(fn) -> dict:
+    """Run fn() once, counting its calls into PyTorch's operator library (aten): {"calls": all of
+    them, "scalar_reads": those that copy one number back to Python (a tensor's .item())}.
+
+    Each call pays a fixed cost on the CPU (dispatch, checks) however small its tensor: that is
+    what a step over many small tensors spends its time on."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts = {"calls": 0, "scalar_reads": 0}
+
+    class _Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if name.startswith("aten."):
+                counts["calls"] += 1
+                counts["scalar_reads"] += name.startswith("aten._local_scalar_dense")
+            return func(*args, **(kwargs or {}))
+
+    with _Count():
+        fn()
+    return counts
