@@ -1,10 +1,22 @@
-"""The labs' messages, in one process (no ranks): a file the grader cannot grade is refused in one
-line, before any rank starts."""
+"""The labs' messages, in one process (no ranks): numbers printed to the digits where they differ,
+and a file the grader cannot grade refused in one line, before any rank starts."""
 
 import pytest
 
 from zerolab.labs import grade
 from zerolab.labs.__main__ import main as labs_cli
+from zerolab.labs.checks import digits, expected_seen
+
+
+def test_two_numbers_are_printed_to_the_digit_where_they_differ():
+    # (three significant digits would print both as 1.23e-05)
+    assert digits(1.23456e-05, 1.23457e-05) == ("1.23456e-05", "1.23457e-05")
+    assert digits(0.0968, 0.194) == ("0.0968", "0.194")
+    assert digits(-0.00062615, -0.00062620) == ("-0.00062615", "-0.0006262")
+    assert digits(0.5, 0.5) == ("0.5", "0.5")            # equal numbers stay equal: the caller says why
+    import torch
+    assert expected_seen(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.00001]), 1) == \
+        "expected 2, seen 2.00001"
 
 
 @pytest.mark.parametrize("name, words", [

@@ -31,8 +31,8 @@ from ..engines.zero3 import units as library_units
 from ..engines.zero3.units import Unit
 from ..engines.zero3 import ZeRO3
 from ..engines.zero3.schedule import UnitSchedule
-from .checks import Piece, adam_state_bytes, check_collectives, check_parity, fmt_bytes, per_step
-from .engine_run import instrument, moved, record_run, stub
+from .checks import PARITY, Piece, adam_state_bytes, check_collectives, check_parity, fmt_bytes, per_step
+from .engine_run import WrongDtypeStops, instrument, moved, record_run, stub
 from .lab import Check, Lab, Stop, Wrong
 from .model import OPTIMIZER, SCHEDULE, build
 from .overlap import blocked, defined_at, overlapped, where
@@ -118,7 +118,7 @@ class UnitLab(Unit):
     """
 
 
-class ZeRO3Lab(ZeRO3):
+class ZeRO3Lab(WrongDtypeStops, ZeRO3):
     """zl.ZeRO(stage=3) with _prefetch_after left to write, and its units made of `unit_class`.
     What you can use in it: self.prefetch (how many units to gather ahead: 1 here), and each
     unit's .gather(phase) and .reduced (True once its backward is done in this step)."""
@@ -126,6 +126,9 @@ class ZeRO3Lab(ZeRO3):
     unit_class = UnitLab
 
     # -------------------------------------------------------------- the grader's instruments
+    def _grad_label(self, i: int) -> str:
+        return f"unit {self._trained()[i].name} (rank {self.rank}'s shard)"
+
     def watch(self, graded) -> None:
         """Give each unit its view of the graded ledger, and check every unit's release."""
         self.trace = []             # ("gather" | "use", unit name, phase), in order
@@ -135,7 +138,7 @@ class ZeRO3Lab(ZeRO3):
             u.comm = graded.for_owner(u.name)
             u.release = _checked_release(u, u.release)
 
-    def _issued(self, entry, out):
+    def _issued(self, entry, out, inp=None):
         if entry.op != "all_gather":
             return
         if out is not None and not _allocated(out):
@@ -436,10 +439,19 @@ LAB = Lab(
     measure=measure,
     checks=(Check(LIFECYCLE, None, 'chapter 8, "The idea" and "The lifecycle, from a real trace"',
                   "no unit used before its all-gather finished, none freed under a gather in flight"),
-            Check("parity with one process on the global batch", parity, 'chapter 8, "The idea"'),
+            Check(PARITY, parity, 'chapter 8, "The idea"'),
             Check("bytes per step: 3 Psi", bytes_per_step, 'chapter 8, "Bytes per step: 3 Psi against 2 Psi"'),
             Check("memory: (4 + 4 + K) Psi / N", memory, 'chapter 8, "Memory per rank against N_d"'),
             Check("prefetch: the next unit is gathered ahead", prefetch, PREFETCH_SECTION),
             Check("overlap: compute runs while units are gathered and reduced", overlap, PREFETCH_SECTION)),
     mistakes_module="zerolab.labs.zero3_mistakes",
+    blame={**dict.fromkeys(("not_divided", "divided_twice", "all_reduce", "bytes", "zeros"), ("reduce_scatter",)),
+           **dict.fromkeys(("lost_micro_batch", "added_to_local", "not_reduced", "divided_not_reduced",
+                            "full_gradient_kept", "grad_dtype"), ("finish_reduce",)),
+           **dict.fromkeys(("parameters_kept", "released_in_flight", "release_not_marked"), ("release",)),
+           **dict.fromkeys(("used_before_gathered", "still_released"), ("wait",)),
+           **dict.fromkeys(("not_allocated", "gathered_elsewhere", "blocking_gather"), ("gather",)),
+           "blocking_reduce_scatter": ("reduce_scatter",), "weights": ("finish_reduce",),
+           **dict.fromkeys(("prefetch_too_far", "prefetch_wrong_unit", "no_prefetch", "stale_prefetch",
+                            "prefetch_not_past_done"), ("_prefetch_after",))},
 )

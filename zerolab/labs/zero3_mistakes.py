@@ -50,6 +50,15 @@ class OverwritesShard(ReferenceUnit):
         self.grad_shard = out           # (a second micro-batch replaces the first)
 
 
+class ShardInFp64(ReferenceUnit):
+    def finish_reduce(self):
+        handle, out = self._rs
+        handle.wait()
+        self._rs, self.grad_full = None, None
+        out = out.double()              # (the shard kept in fp64 "for precision")
+        self.grad_shard = out if self.grad_shard is None else self.grad_shard + out
+
+
 class KeepsFullGradient(ReferenceUnit):
     def finish_reduce(self):
         handle, out = self._rs
@@ -202,6 +211,7 @@ MISTAKES = (
     _unit("no_divide", "reduce-scattered the gradient without dividing by N", NoDivide, "not_divided"),
     _unit("overwrites_shard", "kept the last micro-batch's gradient shard instead of adding to it",
           OverwritesShard, "lost_micro_batch"),
+    _unit("shard_in_fp64", "kept the reduced gradient shard in fp64", ShardInFp64, "grad_dtype"),
     _unit("keeps_full_gradient", "kept the full gradient after its reduce-scatter", KeepsFullGradient,
           "full_gradient_kept"),
     _unit("keeps_memory", "released a unit without freeing its memory", KeepsMemory, "parameters_kept"),
