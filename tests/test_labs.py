@@ -273,6 +273,8 @@ DIAGNOSES = {
         "prefetches_too_many": ("2 units had been gathered ahead of it (blocks.0, blocks.1)", "prefetch = 1"),
         "prefetches_itself": ("nothing had been gathered ahead", "compute waited for it"),
         "no_divide": ("unit root (rank 0's shard)", "N = 2 times the mean", "expected", "seen"),
+        "shard_without_padding": ("from 82 elements into a shard of 40", "padded to 82 (1 of padding)",
+                                  "not numel // N = 40", "padded_numel // N"),
         "overwrites_shard": ("step 1", "the last micro-batch's gradient only", "ADD"),
         "shard_in_fp64": ("unit root (rank 0's shard)", "is float64, shape (88,)", "are float32", "no .double()"),
         "keeps_full_gradient": ("2,532 B of gradients", "4 Psi / N = 844 B", "self.grad_full = None"),
