@@ -257,7 +257,7 @@ def give_up(ranks) -> str:
                     f"row it must raise FloatingPointError (step {step} of {pattern}); it {raised}.",
                     "count skipped steps in a row (a clean step restarts the count).")
     return ("it raises FloatingPointError at an overflow at min_scale and after max_skips skips in a row, and not "
-            "for as many skips apart")
+            "for as many skips with clean steps between")
 
 
 def parity(ranks) -> str:

@@ -155,7 +155,8 @@ LAB = Lab(
     stub_file="lab4_zero1.py", world_size=2,
     roles={"engine": ZeRO1Lab}, reference={"engine": ReferenceZeRO1}, measure=measure,
     checks=(Check(OWNERSHIP, None, 'chapter 6, "The idea" (who owns what)',
-                  "slice r of bucket b is [r P / N, (r + 1) P / N) of its padded size P, on every rank"),
+                  "slice r of bucket b is [r P / N, (r + 1) P / N) of its padded size P, on every rank, and every "
+                  "master is in the model's dtype"),
             Check(PARITY, parity, 'chapter 6, "The idea"'),
             Check("bytes per step: reduce-scatter + all-gather = 2 Psi", bytes_per_step,
                   'chapter 6, "Two designs: all-reduce or reduce-scatter"'),
