@@ -184,6 +184,206 @@ def test_every_planted_mistake_fails_with_its_own_message(reports, name):
     assert len(set(keys)) == len(keys), f"two planted mistakes fail the same way: {firsts}"
 
 
+# Every planted mistake and the words its diagnosis must contain (the first failure's line, the
+# graded code it names, what to do): what it saw, against what, in the numbers or words that tell
+# this mistake from the others. A new planted mistake adds its words here.
+DIAGNOSES = {
+    "ring": {
+        "copies_instead_of_adding": ("[303.0, 306.0, 309.0]", "copied over yours", "ADDED"),
+        "sends_the_wrong_chunk": ("landed in rank 0's chunk 1", "(r - s - 1) mod N"),
+        "one_step_short": ("made 1 ring step;", "N - 1 = 2"),
+        "gathers_into_the_wrong_chunk": ("chunk 1 holds chunk 2", "wrong place"),
+        "forgets_the_all_gather": ("in its own chunk only", "all-gather half is missing"),
+        "sends_everything_to_everyone": ("sent 72 B in 2 messages", "2(N-1)/N S = 48 B"),
+        "runs_backwards": ("RIGHT neighbour's", "(r + 1) % N"),
+        "receives_into_a_new_tensor": ("`recv` still holds the zeros", "rank 2, sent [21.0, 21.0]", "irecv(recv"),
+        "gathers_by_adding": ("[1008.0, 1009.0, 1010.0]", "2 lower", "the -1", "no addition"),
+        "all_gather_one_step_short": ("never arrived", "made 1 ring step,", "N - 1 = 2"),
+        "splits_by_numel_over_n": ("10 elements on 3 ranks", "element 9 holds 10", "chunks of 4, 3, 3",
+                                   "N + 1 chunks"),
+        "averages": ("divided by N = 3, the mean", "element 0 holds 8", "24", "SUM"),
+        "receives_from_the_right": ("hung in receives_from_the_right", "did not complete within 2 s"),
+    },
+    "scaler": {
+        "grows_after_overflow": ("grew although step 6 overflowed", "expected 10 10 11 10 10  9  8  8  8",
+                                 "_good_steps = 0"),
+        "no_hysteresis": ("after 1 overflow in a row", "hysteresis=2 tolerates 1"),
+        "clean_step_does_not_refill": ("a clean step came between the overflows", "IN A ROW"),
+        "backoff_does_not_refill": ("backed off again 1 step after a back-off", "refills the hysteresis count"),
+        "no_floor": ("min_scale (128)", "did not raise", "went to 64"),
+        "growth_does_not_restart": ("at step 15 the scale did not grow", "start counting again from 0"),
+        "skips_forever": ("max_skips = 3 skipped steps in a row", "(step 2 of xxxx); it did not raise"),
+        "grows_one_step_early": ("grew after 2 clean steps in a row", "growth_interval = 3", "seen 10 11"),
+        "backoff_not_assigned": ("at step 3 it did not back off", "expected 10 10 11 10; seen 10 10 11 11"),
+        "counts_all_skips": ("xx.xx.xx", "must never raise", "raised FloatingPointError at step 3",
+                             "skipped_in_a_row"),
+        "local_verdict": ("some ranks found their gradients finite", 'op="max"'),
+        "agrees_on_finite": ("applied step 1", "an inf on rank 0", "outvoted", 'op="max"'),
+        "multiplies_by_scale": ("multiplied by the scale, 256", "65536 times too large", "1 / scale"),
+        "not_unscaled": ("divided by 1,", "the scale, 256", "256 times too large"),
+    },
+    "ddp": {
+        "no_divide": ("step 0, rank 0, bucket 0", "N = 2 times the mean", "expected", "seen", "divide the buffer by N"),
+        "divides_twice": ("divided by N once more", "expected", "seen", "divide by N once"),
+        "frees_p_grad": ("p.grad of out.bias is None after backward", "p.grad IS the parameter's slot"),
+        "finish_relaunches": ("bucket 0 was launched a second time", "in _finish_backward (ddp_mistakes.py, line",
+                              "from self._next on"),
+        "grad_not_a_view": ("this rank's own gradient", "grad_view(i)"),
+        "adds_to_old_slot": ("step 1, rank 0", "PLUS the last step's", "copied into its slot"),
+        "launches_on_first_gradient": ("1 of its 2 gradients had not arrived", "self._missing[b] reaches 0"),
+        "launches_when_full_in_any_order": ("bucket 1 was launched", "when bucket 0 was next", "index order"),
+        "forgets_to_wait": ("bucket 4 never waited for", "self._wait_oldest()"),
+        "launches_after_backward": ("nothing overlapped", "from the gradient hook"),
+        "one_all_reduce_per_gradient": ("7 collectives", "(5: 50, 82, 82, 90, 118 elements)", "in one call"),
+        "reduces_in_no_sync": ("inside no_sync()", "step 1's first micro-batch", "self._reducing_now"),
+        "waits_in_reduce": ("waited for in _reduce", "20 autograd operations", "async_op=True"),
+        "all_reduce_not_async": ("returned None", "async_op=True"),
+        "all_reduce_outside_the_ledger": ("returned a Work", "self.comm"),
+        "only_waits_at_the_end": ("bucket 0 never reduced", "spare", "by _finish_backward, in order"),
+    },
+    "zero1": {
+        "all_reduces": ("all_reduce: 5 calls, 1,688 B", "expected reduce_scatter: 5 calls, 844 B"),
+        "unpadded_slices": ("elements 0-40 of its 82 (81 real, 1 of padding)", "padded_numel / N = 41",
+                            "PADDED"),
+        "completes_into_slice_zero": ("rank 1's slice", "elements 25-50", "at elements 0-25 instead",
+                                      "wrong offset", "self.shards[b]"),
+        "adds_result": ("PLUS the mean", "copy it in"),
+        "no_divide": ("N = 2 times the mean", "expected", "seen"),
+        "no_all_gather": ("(rank 1 updates it)", "before the step", "all-gather the parameters"),
+        "copied_masters": ("(rank 0 updates it)", "before the step", "a view of bucket.data"),
+        "masters_in_fp64": ("is float64, shape (25,)", "trains in float32", "no cast, no copy"),
+    },
+    "zero2": {
+        "keeps_gradient": ("3,464 B of gradients", "1,788 B in all", "p.grad = None"),
+        "gives_buffer_back_early": ("bucket 0's reduce-scatter was still in flight", "self._free"),
+        "accumulates_in_bf16": ("is bfloat16", "8 significant bits", "self.grad_shards[b].float()"),
+        "accumulates_in_fp64": ("step 1, rank 0, bucket 0", "is float64, shape (25,)", "are float32",
+                                "no .double()"),
+        "unpadded_buffer": ("on 81 elements (its real elements, without the padding)",
+                            "padded to 82 (1 of padding)", "[:padded_numel]"),
+        "overwrites_slice": ("step 1", "the last micro-batch's gradient only", "ADD"),
+        "all_reduces": ("all_reduce: 5 calls, 1,688 B", "expected reduce_scatter: 5 calls, 844 B"),
+        "no_divide": ("N = 2 times the mean", "expected", "seen"),
+        "keeps_pool": ("held 1,788 B of gradients", "4 Psi / N = 844 B", "self._release_pool()"),
+        "waits_in_reduce": ("waited for in _reduce", "async_op=True"),
+        "reduce_scatter_not_async": ("returned None", "reduce-scatter", "async_op=True"),
+    },
+    "zero3": {
+        "prefetches_two_ahead": ("blocks.0, had not been gathered", "was for blocks.1", "order[i + 1]"),
+        "prefetches_too_many": ("2 units had been gathered ahead of it (blocks.0, blocks.1)", "prefetch = 1"),
+        "prefetches_itself": ("nothing had been gathered ahead", "compute waited for it"),
+        "no_divide": ("unit root (rank 0's shard)", "N = 2 times the mean", "expected", "seen"),
+        "shard_without_padding": ("from 82 elements into a shard of 40", "padded to 82 (1 of padding)",
+                                  "not numel // N = 40", "padded_numel // N"),
+        "overwrites_shard": ("step 1", "the last micro-batch's gradient only", "ADD"),
+        "shard_in_fp64": ("unit root (rank 0's shard)", "is float64, shape (88,)", "are float32", "no .double()"),
+        "keeps_full_gradient": ("2,532 B of gradients", "4 Psi / N = 844 B", "self.grad_full = None"),
+        "keeps_memory": ("2,532 B of parameters", "4 Psi / N = 844 B", "storage_free"),
+        "wait_does_not_wait": ("still in flight", "once your wait", "waited for"),
+        "all_reduces": ("all_reduce: 4 calls, 1,688 B", "reduce_scatter: 4 calls, 844 B"),
+        "gathers_in_place": ("unit blocks.0", "waited for in gather", "The prefetch hid nothing", "async_op=True"),
+        "stale_prefetch": ("gathered blocks.1, whose backward was already done", "v.reduced"),
+        "prefetch_stops_at_done": ("gathered nothing", "blocks.0, the next unit whose backward is still to run"),
+        "releases_in_flight": ("freed in release", "still in flight", "waits for its handles"),
+        "forgets_storage_alloc": ("into a buffer whose memory is freed (0 bytes)", "storage_alloc"),
+        "gathers_into_new_buffer": ("parameters' memory still freed (0 bytes)", "wrote somewhere else",
+                                    "self.full"),
+        "leaves_parameters_released": ("still marked released", "mark_released with False"),
+        "leaves_freed_memory_readable": ("not marked released", "mark_released with True"),
+        "waits_in_reduce_scatter": ("unit blocks.2's reduce-scatter", "waited for in reduce_scatter",
+                                    "self._rs"),
+    },
+    "views": {
+        "view_copies": ("not in the memory of master 0", "a copy", ".clone()"),
+        "cut_off_by_one": ("covers elements [0, 8)", "lies at [0, 9)", "one element short at its end",
+                           "no - 1"),
+        "cut_without_padding": ("covers elements [0, 13)", "holds its elements [0, 14)",
+                                "207 real elements, padded to 208 (1 of padding)", "numel // N = 103",
+                                "without the padding", "the slice you are given"),
+        "views_in_fp16": ("is float16; master 0 is float32", "no .half()"),
+        "flattens_whole_views": ("has shape (81,)", "own shape, (9, 9)"),
+        "places_in_bucket_order": ("position 0 of parameter group 0 holds the view of side.weight",
+                                   "the script put inp.weight there"),
+        "skipped_gets_zero_grad": ("was given a gradient (zeros)", "no rank's backward reached side.bias",
+                                   "leave their views' .grad None"),
+        "empty_view_gets_grad": ("is empty (none of out.bias is on rank 0)", "an empty tensor"),
+        "copies_gradients": ("the right numbers in .grad", "a copy, not a view of master 1's .grad"),
+        "grads_from_the_start": ("covers elements [81, 90) of master 2", "is elements [0, 9)"),
+        "slice_as_whole": ("has shape (14,)", "presented as the whole", "(9, 13)"),
+        "scalars_from_own_rank": ("has no 'step'", "a plain AdamW's is 1"),
+        "leaves_state_flat": ("has shape (117,)", "the parameter's, (9, 13)"),
+        "assembles_from_the_start": ("element 0 of the flattened parameter", "expected", "seen",
+                                     "the plain AdamW's element 14", "covers its elements [0, 14)",
+                                     "each piece goes where it lies"),
+        "assembles_in_fp16": ("is float16, shape (9, 13)", "a plain AdamW's is float32", "11 significant bits",
+                              "Element 0 is", "dtype=piece.dtype"),
+        "assembles_in_fp64": ("is float64, shape (9, 13)", "a plain AdamW's is float32", "8 bytes an element",
+                              "dtype=piece.dtype"),
+        "loads_whole": ("the whole of inp.weight's exp_avg, shape (9, 13)", "its view on rank 0 is (14,)"),
+        "loads_from_the_start": ("holds elements [0, 103)", "covers elements [14, 117)"),
+        "loads_in_fp16": ("rounded to float16", "elements [0, 14)", "element 0 is", "no .half()"),
+        "loads_state_for_empty": ("none of", "is on rank", "no entry"),
+    },
+}
+
+
+@pytest.mark.parametrize("name, mistake", [(name, m.name) for name in LABS for m in load_lab(name).mistakes])
+def test_each_planted_mistake_gets_its_own_diagnosis(reports, name, mistake):
+    """A copy of the library's code with one mistake planted fails, with the failure it was planted
+    for, and a report that says what was expected and what was seen in this mistake's own words,
+    names the line of the graded file it comes from (here the planted mistake's module), and the
+    section of the chapter to re-read."""
+    report = reports[(name, "mistake", mistake)]
+    first = report.first_failure
+    assert first is not None, f"{mistake} passed every check:\n{report}"
+    assert first.key == load_lab(name).mistake(mistake).expect, str(report)
+    said = " ".join((first.line, first.where, first.hint))
+    missing = [w for w in DIAGNOSES[name][mistake] if w not in said]
+    assert not missing, f"{mistake}: {missing} not in\n{report}"
+    module = load_lab(name).mistakes_module.rsplit(".", 1)[1]
+    assert f"{module}.py, line " in said, str(report)
+    assert first.section and f"Re-read: {first.section}." in str(report).replace("\n        ", " ")
+
+
+def test_every_planted_mistake_has_its_words():
+    planted = {(name, m.name) for name in LABS for m in load_lab(name).mistakes}
+    assert planted == {(name, m) for name, words in DIAGNOSES.items() for m in words}
+
+
+NUMBERS = (r"expected (\S+), seen (\S+?)[.,;]?(?:\s|$)", r"\((\S+); one process has (\S+)\)",
+           r"is (\S+); one process on the global batch has (\S+) ", r"is (\S+) where (?:a plain AdamW's|the "
+           r"checkpoint's) is (\S+?)\.(?:\s|$)")
+
+
+def test_no_diagnosis_shows_two_different_numbers_as_the_same(reports):
+    """Two numbers that differ are printed to the digit where they differ (not with :.3g, which
+    shows 1.23456e-05 and 1.23457e-05 both as 1.23e-05)."""
+    import re
+    pairs = []
+    for (name, kind, _), report in reports.items():
+        if kind == "mistake":
+            for pattern in NUMBERS:
+                pairs += re.findall(pattern, report.first_failure.line)
+    assert len(pairs) >= 15
+    assert all(a != b for a, b in pairs), [p for p in pairs if p[0] == p[1]]
+
+
+def test_a_state_tensor_in_another_dtype_is_told_its_dtype(reports):
+    """fp16 used to be told "each piece goes where it lies" beside two numbers printed alike, and
+    fp64 passed: each is now told the two dtypes, and neither where pieces go."""
+    for mistake, dtype in (("assembles_in_fp16", "float16"), ("assembles_in_fp64", "float64")):
+        first = reports[("views", "mistake", mistake)].first_failure
+        assert f"is {dtype}" in first.line and "is float32" in first.line, first.line
+        assert "where it lies" not in first.hint, first.hint
+
+
+def test_a_slice_without_the_padding_is_not_told_the_off_by_ones_hint(reports):
+    unpadded = reports[("views", "mistake", "cut_without_padding")].first_failure
+    off_by_one = reports[("views", "mistake", "cut_off_by_one")].first_failure
+    assert unpadded.key != off_by_one.key and unpadded.hint != off_by_one.hint
+    assert "padding" in unpadded.line and "padding" in unpadded.hint and "padding" not in off_by_one.hint
+
+
 @pytest.mark.parametrize("name", list(LABS))
 def test_the_stub_files_are_wired_to_the_grader(reports, name):
     """Each untouched stub file imports, its classes are found, and the first seam the grader

@@ -7,6 +7,7 @@ import os
 import sys
 
 from .lab import LABS
+from .plugins import FileProblem, check_path
 from .runner import grade
 from .worker import load_lab
 
@@ -37,6 +38,11 @@ def main(argv=None) -> int:
                                   if os.path.isfile(p)), None)
         if path is None:
             parser.error(f"no {lab.stub_file} here or in labs/: give the path of your file")
+        try:
+            check_path(lab, path)
+        except FileProblem as exc:      # one line, before any rank starts
+            print(f"python -m zerolab.labs grade {args.name}: {exc}", file=sys.stderr)
+            return 2
         report = grade(args.name, path)
     return 0 if report.passed else 1
 

@@ -26,6 +26,7 @@ from .lab import Wrong
 
 GRAD_REL = 1e-4
 ADAM_ROUNDOFF_STEP = 3e-6       # the premise of tests/tolerances.py (the lab model is checked too)
+PARITY = "parity with one process on the global batch"     # (labs 3 to 6: the check's title)
 
 
 def weight_tol(steps: int) -> float:
@@ -149,11 +150,26 @@ def check_gradient(seen, piece: Piece, cand_by_name: dict, n: int, rank: int, st
     bad = int(((seen - wanted).abs() > tol).nonzero()[0]) if seen.shape == wanted.shape else 0
     at = piece.where(bad) if seen.shape == wanted.shape else f"{seen.numel()} elements, expected {wanted.numel()}"
     raise Wrong(key, f"step {step}, rank {rank}, {piece.label}: {what} is {is_what}. First wrong element: "
-                     f"{at}: expected {_num(wanted, bad)}, seen {_num(seen, bad)}.", hint, step)
+                     f"{at}: {expected_seen(wanted, seen, bad)}.", hint, step)
 
 
-def _num(t, i) -> str:
-    return f"{float(t[i]):.3g}" if i < t.numel() else "(missing)"
+def digits(a: float, b: float) -> tuple:
+    """a and b as text, to the digits where they differ: 3 significant digits, and more until the
+    two texts differ (up to 17, every digit of a float64), so that 0.000123456 and 0.000123457 are
+    not both shown as 0.000123."""
+    for n in range(3, 18):
+        sa, sb = f"{a:.{n}g}", f"{b:.{n}g}"
+        if sa != sb:
+            break
+    return sa, sb
+
+
+def expected_seen(wanted, seen, i) -> str:
+    """'expected 0.0123456, seen 0.0123462' for element i of two flat tensors."""
+    if i >= seen.numel():
+        return f"expected {float(wanted[i]):.3g}, seen nothing (the tensor has {seen.numel()} elements)"
+    w, s = digits(float(wanted[i]), float(seen[i]))
+    return f"expected {w}, seen {s}"
 
 
 def check_weights(seen, piece: Piece, expected: dict, before: dict, rank: int, step: int, owners=None):
@@ -169,6 +185,8 @@ def check_weights(seen, piece: Piece, expected: dict, before: dict, rank: int, s
     old = piece.flat(before)
     stale = (seen - old).abs() <= tol
     owner = "" if owners is None else f" (rank {owners(bad)} updates it)"
+    old_text, wanted_text = digits(float(old[bad]), float(wanted[bad]))
+    seen_text, wanted_text2 = digits(float(seen[bad]), float(wanted[bad]))
     if bool(stale[bad]):
         own = owners is not None and owners(bad) == rank
         # this rank's OWN element unchanged: its optimizer never wrote into the model's weights
@@ -181,9 +199,9 @@ def check_weights(seen, piece: Piece, expected: dict, before: dict, rank: int, s
         raise Wrong("not_updated_own" if own else "not_updated",
                     f"after step {step}, rank {rank}'s weights in {piece.label} are not "
                     f"updated: {piece.where(bad)}{owner} still holds its value from before the step "
-                    f"({_num(old, bad)}; one process has {_num(wanted, bad)}).", hint, step)
+                    f"({old_text}; one process has {wanted_text}).", hint, step)
     raise Wrong("weights", f"after step {step}, rank {rank}'s weight {piece.where(bad)} in {piece.label}{owner} is "
-                f"{_num(seen, bad)}; one process on the global batch has {_num(wanted, bad)} (tolerance "
+                f"{seen_text}; one process on the global batch has {wanted_text2} (tolerance "
                 f"{tol:.0e}).", "the gradients were right, so look at what happens after backward.", step)
 
 
@@ -225,24 +243,54 @@ def check_collectives(rank: int, step: int, seen: list, wanted: list, n: int, fo
                      f"({fmt_bytes(sum(x[2] for x in want))}): {formula}.", hint, step)
 
 
-def check_parity(ranks: list, weight_pieces: str, what, sharded: bool) -> None:
+def check_parity(ranks: list, weight_pieces: str, what, sharded: bool,
+                 no_grad_hint: str = "every gradient must be where the step reads it.", hints=None) -> None:
     """Step by step, every rank's gradients (data["pieces"], after backward) and then every rank's
     weights (data[weight_pieces], after the step) against one process on the global batch.
-    what(piece) names the gradient held ("p.grad of out.bias", "the owned gradient")."""
+    what(piece) names the gradient held ("p.grad of out.bias", "the owned gradient"). A step may
+    keep "full": per piece, the whole padded gradient buffer, where a result written into another
+    rank's slice is looked for (ZeRO-1)."""
     from .engine_run import candidates
     for step in range(len(ranks[0]["steps"])):
         for d in ranks:
             cand = candidates(d["ref"], step)
-            for piece, g in zip(d["pieces"], d["steps"][step]["held"]):
+            full = d["steps"][step].get("full")
+            for j, (piece, g) in enumerate(zip(d["pieces"], d["steps"][step]["held"])):
                 if g is None:
                     raise Wrong("no_grad", f"step {step}, rank {d['rank']}, {piece.label}: {what(piece)} is "
-                                "None after backward.", "every gradient must be where the step reads it.", step)
-                check_gradient(g, piece, cand, d["n"], d["rank"], step, what(piece))
+                                "None after backward.", no_grad_hint, step)
+                try:
+                    check_gradient(g, piece, cand, d["n"], d["rank"], step, what(piece))
+                except Wrong as exc:
+                    if full is not None:
+                        _result_elsewhere(full[j], piece, cand, d, step, what(piece))
+                    if hints and exc.key in hints:
+                        exc.hint = hints[exc.key]
+                    raise exc
         for d in ranks:
             for piece, w in zip(d[weight_pieces], d["steps"][step]["weights"]):
                 size = piece.padded // d["n"]
                 check_weights(w, piece, d["ref"]["weights"][step], d["ref"]["before"][step], d["rank"], step,
                               owners=(lambda i, size=size: i // size) if sharded else None)
+
+
+def _result_elsewhere(full, piece: Piece, cand: dict, d: dict, step: int, what: str) -> None:
+    """Raise Wrong if this rank's slice of the reduced gradient (the mean of slice r) sits in the
+    whole buffer `full` at another rank's slice instead of its own."""
+    whole = Piece(piece.label, piece.entries, piece.padded)
+    wanted = whole.flat(cand["expected"])[piece.lo:piece.hi]
+    size = piece.hi - piece.lo
+    full = full.detach().reshape(-1).float()
+    for q in range(d["n"]):
+        lo = q * size
+        if lo != piece.lo and _close(full[lo:lo + size], wanted):
+            raise Wrong("result_elsewhere",
+                        f"step {step}, rank {d['rank']}, {piece.label}: {what}, elements {piece.lo}-{piece.hi} of the "
+                        f"bucket's gradient, is not the mean of that slice; the mean of that slice is at elements "
+                        f"{lo}-{lo + size} instead, rank {q}'s slice: the reduce-scatter's result was written at the "
+                        f"wrong offset.",
+                        "rank r's result goes into slice r of the bucket's gradient (self.shards[b]), where the step "
+                        "reads it.", step)
 
 
 def per_step(ranks: list, check) -> None:

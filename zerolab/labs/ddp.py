@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..engines.ddp import DDP       # the library's engine: its seams are the reference
-from .checks import Piece, check_parity, fmt_bytes, per_step, piece_of_bucket, ring_factor
+from .checks import PARITY, Piece, check_parity, fmt_bytes, per_step, piece_of_bucket, ring_factor
 from .engine_run import instrument, moved, record_run, stub
 from .lab import Check, Lab, Stop, Wrong
 from .overlap import check_handle, check_overlap, defined_at, waited_where
@@ -170,7 +170,13 @@ def _probe_unreached(plugin) -> None:
 
 
 def parity(ranks) -> str:
-    check_parity(ranks, "pieces", lambda piece: f"p.grad of {piece.entries[0][0]}", sharded=False)
+    check_parity(ranks, "pieces", lambda piece: f"p.grad of {piece.entries[0][0]}", sharded=False,
+                 no_grad_hint="in DDP p.grad IS the parameter's slot in its bucket (a view into bucket.grad): the "
+                 "all-reduce averages it there and the optimizer reads it there. _take makes p.grad that view "
+                 "and leaves it so; setting p.grad to None is ZeRO-2's habit, not DDP's.",
+                 hints={"not_reduced": "p.grad must BE the parameter's slot in its bucket (the view "
+                        "self.buckets.buckets[b].grad_view(i)), so the all-reduce's result is what p.grad holds; "
+                        "a copy in the slot, with p.grad left as autograd made it, leaves p.grad unaveraged."})
     return (f"after every backward p.grad is the global batch's gradient, and after every step the "
             f"weights are one process's, on every rank ({len(SCHEDULE)} steps)")
 
@@ -211,10 +217,17 @@ LAB = Lab(
     stub_file="lab3_ddp.py", world_size=2,
     roles={"engine": DDPLab}, reference={"engine": ReferenceDDP}, measure=measure,
     checks=(Check(PROTOCOL, None, SECTION, "no bucket launched early or out of order, none left in flight"),
-            Check("parity with one process on the global batch", parity, 'chapter 5, "The idea"'),
+            Check(PARITY, parity, 'chapter 5, "The idea"'),
             Check("bytes per step against 2(N-1)/N Psi", bytes_per_step,
                   'chapter 5, "Bytes per step: measured vs the paper\'s 2 Psi"'),
             Check("overlap: backward computes while buckets are all-reduced", overlap,
                   'chapter 5, "Naive vs bucketed vs overlapped: the timeline"')),
     mistakes_module="zerolab.labs.ddp_mistakes",
+    blame={**dict.fromkeys(("not_divided", "divided_twice", "added_to_local", "divided_not_reduced", "zeros",
+                            "per_parameter", "bytes", "not_async", "not_the_ledger"), ("_reduce",)),
+           **dict.fromkeys(("not_reduced", "not_reset", "lost_micro_batch", "no_grad"), ("_take",)),
+           **dict.fromkeys(("launched_early", "out_of_order", "reduced_in_no_sync", "no_overlap"),
+                           ("_on_grad_ready",)),
+           **dict.fromkeys(("not_launched", "not_waited", "reduced_twice"), ("_finish_backward", "_on_grad_ready")),
+           "blocking_reduce": ("_reduce",), "weights": ("_take", "_reduce")},
 )

@@ -19,6 +19,26 @@ class NoDivide(ReferenceDDP):
         return self.comm.all_reduce(buf, async_op=True, tag=f"bucket{b}")   # (never divided by N)
 
 
+class DividesTwice(ReferenceDDP):
+    def _reduce(self, b):
+        self._flats[b].div_(self.world_size)     # (and _ready_to_reduce divides the bucket once more)
+        return super()._reduce(b)
+
+
+class FreesPGrad(ReferenceDDP):
+    def _take(self, p, b, i, k):
+        self._grad_views[k].copy_(p.grad)
+        p.grad = None                   # (ZeRO-2's habit: here the optimizer reads p.grad)
+
+
+class FinishRelaunches(ReferenceDDP):
+    def _finish_backward(self):
+        for b in range(len(self.buckets.buckets)):     # (every bucket, those already launched too)
+            self._launch(b)
+        while self._pending:
+            self._wait_oldest()
+
+
 class GradNotAView(ReferenceDDP):
     def _take(self, p, b, i, k):
         view = self._grad_views[k]
@@ -131,6 +151,11 @@ def _m(name, story, cls, expect):
 
 MISTAKES = (
     _m("no_divide", "all-reduced the buckets without dividing by N", NoDivide, "not_divided"),
+    _m("divides_twice", "divided each bucket by N in _reduce, where it is already divided", DividesTwice,
+       "divided_twice"),
+    _m("frees_p_grad", "copied each gradient into its slot and set p.grad to None", FreesPGrad, "no_grad"),
+    _m("finish_relaunches", "launched every bucket in _finish_backward, those already launched too",
+       FinishRelaunches, "reduced_twice"),
     _m("grad_not_a_view", "copied the gradient into the bucket but left p.grad as it was", GradNotAView,
        "not_reduced"),
     _m("adds_to_old_slot", "added the step's first gradient to its slot instead of copying it",

@@ -13,8 +13,11 @@ the compute that ran while it was in flight (the labs whose idea is overlap: 3, 
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
+from .checks import PARITY
+from .lab import Stop
 from .model import SCHEDULE, reference, train
 from .overlap import ComputeClock, GradedLedger
 
@@ -59,6 +62,7 @@ def record_run(engine, pieces, held, weights, after_backward=None, after_step=No
                 e.needed = clock.count
 
     def on_backward(step):
+        _check_dtypes(held(engine), pieces, step, rank)
         steps.append({"held": [None if g is None else g.detach().float().clone() for g in held(engine)],
                       "compute_end": engine.last_backward.get("compute_end"),
                       **(after_backward(engine, step) if after_backward else {})})
@@ -77,6 +81,43 @@ def record_run(engine, pieces, held, weights, after_backward=None, after_step=No
 
     train(engine, on_backward, on_step, backward, clock=None if graded is None else graded.clock)
     return {"rank": rank, "n": n, "pieces": pieces, "steps": steps, "ref": reference(rank, n)}
+
+
+def _check_dtypes(grads, pieces, step, rank) -> None:
+    """Stop the run if a gradient held after backward is not fp32 (see WrongDtypeStops)."""
+    for piece, g in zip(pieces, grads):
+        if g is not None and g.dtype != torch.float32:
+            raise _dtype_stop(step, rank, piece.label, g)
+
+
+def _dtype_stop(step, rank, label, g) -> Stop:
+    bits = {torch.float64: "8 bytes an element where the chapter counts 4, and torch refuses to hand a float64 "
+                           "gradient to a float32 parameter",
+            torch.float16: "rounded to fp16's 11 significant bits (and any gradient above 65,504 is inf)",
+            torch.bfloat16: "rounded to bf16's 8 significant bits"}.get(g.dtype, "")
+    return Stop(PARITY, "grad_dtype",
+                f"step {step}, rank {rank}, {label}: the gradient held after backward is "
+                f"{str(g.dtype).replace('torch.', '')}, shape {tuple(g.shape)}; the model, its optimizer and one "
+                f"process's gradient are float32" + (f": {bits}." if bits else "."),
+                "keep the gradient in the parameters' dtype (float32 here): no .double(), .half() or .to() on the "
+                "way; a new tensor takes the dtype of the one it is made from (torch.empty(n, dtype=flat.dtype)).")
+
+
+class WrongDtypeStops:
+    """A lab engine's instrument (first among its bases): the moment backward ends, before the
+    library hands the gradients to the optimizer (which would refuse an fp64 gradient with torch's
+    own words, or round an fp16 one silently), every gradient this rank holds must be fp32, the
+    dtype of the lab's model and optimizer. `_grad_label(i)` names the i-th ("bucket 2 (rank 0's
+    slice)")."""
+
+    def _expose_grads(self):
+        for i, (m, g) in enumerate(zip(self._flat_masters(), self._owned_grads())):
+            if g is not None and g.dtype != m.dtype:
+                raise _dtype_stop(self.steps, self.rank, self._grad_label(i), g)
+        super()._expose_grads()
+
+    def _grad_label(self, i: int) -> str:
+        return f"bucket {i} (rank {self.rank}'s slice)"
 
 
 def moved(step_data) -> list:

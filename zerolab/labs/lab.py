@@ -8,7 +8,7 @@ graded run is measured on every rank (`measure`), its checks in order, and its p
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 # the labs, in the book's order: name (for `python -m zerolab.labs grade NAME`) -> module of zerolab.labs
@@ -21,10 +21,11 @@ class Wrong(Exception):
     says what was expected and what was seen (which rank, bucket or unit, which step), `hint` what
     to do about it."""
 
-    def __init__(self, key: str, what: str, hint: str = "", step: int | None = None):
+    def __init__(self, key: str, what: str, hint: str = "", step: int | None = None, blame: tuple = ()):
         super().__init__(what)
         self.key, self.what, self.hint = key, what, hint
         self.step = step        # the training step it was seen at (None: not tied to one)
+        self.blame = blame      # the seams it comes from, if not the lab's blame for its key
 
 
 class Stop(Wrong):
@@ -74,6 +75,9 @@ class Lab:
     measure: Callable           # plugin -> data, on every rank (zerolab.labs.worker)
     checks: tuple
     mistakes_module: str = ""   # the module whose MISTAKES are this lab's planted mistakes
+    # a Wrong key -> the seams (method or function names) whose code a failure of that kind comes
+    # from: the report names their lines in the graded file (zerolab.labs.runner.written_in)
+    blame: dict = field(default_factory=dict)
 
     @property
     def mistakes(self) -> tuple:

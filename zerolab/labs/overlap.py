@@ -101,7 +101,8 @@ class GradedLedger:
 
     def __init__(self, ledger, clock: ComputeClock, graded_code, owner: str = "", entries=None, on_issue=None):
         """graded_code: a zerolab.labs.plugins.GradedCode (whose frames a message may name);
-        on_issue(entry, output tensor), if given, hears of every collective as it is issued."""
+        on_issue(entry, output tensor, input tensor or None), if given, hears of every collective
+        as it is issued."""
         self._ledger, self._clock, self._graded_code, self._owner = ledger, clock, graded_code, owner
         self.entries = [] if entries is None else entries
         self.on_issue = on_issue
@@ -117,7 +118,8 @@ class GradedLedger:
         launched = self._clock.count
         entry = Entry(op, kwargs.get("tag", ""), None, launched, self._clock.phase, self._owner)
         if self.on_issue is not None:
-            self.on_issue(entry, args[0] if args else kwargs.get("output", kwargs.get("tensor")))
+            self.on_issue(entry, args[0] if args else kwargs.get("output", kwargs.get("tensor")),
+                          args[1] if len(args) > 1 else kwargs.get("input"))
         handle = getattr(self._ledger, op)(*args, **kwargs)
         entry.record = self._ledger.records[-1]
         self.entries.append(entry)
@@ -194,9 +196,11 @@ def where(graded) -> str:
         return ""
     name, file, line = frames[0]
     text = f"in {name} ({file}, line {line})"
+    # the method that called it, when the same file writes it (not the library's own reducer, which a
+    # planted mistake or a partial solution keeps)
     outer = next((f for f in frames[1:] if f[0] != name), None)
-    if outer is not None:
-        text += f", called from {outer[0]}" + (f" (line {outer[2]})" if outer[1] == file else f" ({outer[1]}, line {outer[2]})")
+    if outer is not None and outer[1] == file:
+        text += f", called from {outer[0]} (line {outer[2]})"
     return text
 
 

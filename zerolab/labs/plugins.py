@@ -24,11 +24,25 @@ def for_spec(lab, spec) -> dict:
     raise ValueError(f"unknown kind of graded code {kind!r}")
 
 
+def check_path(lab, path: str) -> None:
+    """Raise FileProblem, in one line, unless `path` is a Python file the grader can import."""
+    expected = f"the lab's file of stubs, filled in: labs/{lab.stub_file} or a copy of it"
+    if os.path.isdir(path):
+        raise FileProblem(f"{path} is a folder; give the .py file to grade ({expected})")
+    if not os.path.isfile(path):
+        raise FileProblem(f"there is no file {path} (the lab's stubs are in labs/{lab.stub_file})")
+    if path.endswith(".ipynb"):
+        raise FileProblem(f"{os.path.basename(path)} is a notebook; the grader grades the .py file next to it "
+                          f"({expected})")
+    if not path.endswith(".py"):
+        raise FileProblem(f"{os.path.basename(path)} is not a Python file; the grader imports a .py file "
+                          f"({expected})")
+
+
 def from_file(lab, path: str) -> dict:
     """Import the student's file (by path: it need not be on sys.path) and find, for each role,
     the one class that subclasses the lab's blank (or the function of that name)."""
-    if not os.path.isfile(path):
-        raise FileProblem(f"there is no file {path!r} (the lab's stubs are in labs/{lab.stub_file})")
+    check_path(lab, path)
     name = f"zerolab_lab_{lab.name}_yours"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)

@@ -130,6 +130,10 @@ def measure(plugin) -> dict:
 # ------------------------------------------------------------------ the checks, in the parent
 
 
+def _count(k: int, what: str) -> str:
+    return f"{k} {what}{'s' * (k != 1)}"
+
+
 def _chunk(values, c):
     return values[c * C:(c + 1) * C]
 
@@ -144,6 +148,11 @@ def exchange(ranks) -> str:
         if d["exchange"] == [10.0 * right + 1] * 2:
             raise Wrong("reversed", f"rank {r} received rank {right}'s tensor, its RIGHT neighbour's: the ring "
                         "runs the wrong way.", "send to (r + 1) % N, receive from (r - 1) % N.")
+        if d["exchange"] == [0.0] * 2:
+            raise Wrong("recv_untouched", f"rank {r}'s `recv` still holds the zeros it was given; its left "
+                        f"neighbour, rank {left}, sent {[10.0 * left + 1] * 2}: the message arrived somewhere else.",
+                        "receive into `recv` itself (ledger.irecv(recv, src)): the caller reads that tensor, and "
+                        "a tensor made inside exchange is lost when it returns.")
         raise Wrong("exchange_wrong", f"rank {r} received {d['exchange']}; its left neighbour, rank {left}, "
                     f"sent {[10.0 * left + 1] * 2}.", "post the send and the receive, then wait for both.")
     return "every rank received its left neighbour's tensor while sending to its right one"
@@ -161,7 +170,7 @@ def reduce_scatter(ranks) -> str:
         where = f"rank {r}'s chunk {r} holds {mine}; the sum over ranks of chunk {r} is {sums[r]}"
         steps = sum(1 for ph, kind, *_ in d["log"] if ph == "reduce_scatter" and kind == "send")
         if steps != n - 1:
-            raise Wrong("step_count", f"{where}: rank {r} made {steps} ring steps; on {n} ranks a "
+            raise Wrong("step_count", f"{where}: rank {r} made {_count(steps, 'ring step')}; on {n} ranks a "
                         f"reduce-scatter takes N - 1 = {n - 1}.",
                         "each chunk must pass N - 1 ranks to collect every rank's contribution.")
         elsewhere = [c for c in range(n) if c != r and _chunk(seen, c) in sums]
@@ -197,8 +206,18 @@ def all_gather(ranks) -> str:
         for c in range(n):
             got = _chunk(seen, c)
             if got == [-1.0] * C:
+                steps = sum(1 for ph, kind, *_ in d["log"] if ph == "all_gather" and kind == "send")
                 raise Wrong("never_arrived", f"rank {r}'s chunk {c} never arrived (it still holds the -1 it "
-                            "started with).", "N - 1 steps, each passing on the chunk received last.")
+                            f"started with); rank {r} made {_count(steps, 'ring step')}, and on {n} ranks an "
+                            f"all-gather takes N - 1 = {n - 1}.",
+                            "N - 1 steps, each passing on the chunk received last.")
+            off = got[0] - true_chunk(c)[0]
+            if off < 0 and off == int(off) and all(g - t == off for g, t in zip(got, true_chunk(c))):
+                raise Wrong("gathered_by_adding", f"rank {r}'s chunk {c} holds {got}: chunk {c}, {true_chunk(c)}, "
+                            f"{-off:g} lower, one for each rank it passed, where each added the chunk it received "
+                            "to the -1 the grader had left in the slot.",
+                            "an all-gather copies: receive straight into the chunk (what is there is never "
+                            "needed), with no scratch tensor and no addition.")
             if got != true_chunk(c):
                 raise Wrong("all_gather_wrong", f"rank {r}'s chunk {c} holds {got}, not {true_chunk(c)}.",
                             "an all-gather copies chunks; it never adds.")
@@ -215,15 +234,26 @@ def all_reduce(ranks) -> str:
                 continue
             bounds = torch.tensor_split(torch.arange(numel), n)
             right = [bool(all(seen[i] == total[i] for i in b.tolist())) for b in bounds]
+            bad = next(i for i in range(numel) if seen[i] != total[i])
+            first = f"element {bad} holds {seen[bad]:g}, the sum over ranks is {total[bad]:g}"
+            if all(abs(s * n - t) <= 1e-5 * abs(t) for s, t in zip(seen, total)):
+                raise Wrong("divided", f"rank {r}'s tensor of {numel} elements holds the sum divided by N = {n}, "
+                            f"the mean ({first}).", "a ring all-reduce here is the SUM over ranks: the engines "
+                            "divide their gradients by N before they call it, not inside it.")
             if right[r] and sum(right) == 1:
                 raise Wrong("no_all_gather", f"rank {r}'s tensor of {numel} elements is the sum in its own "
-                            "chunk only: the all-gather half is missing.",
+                            f"chunk only ({first}): the all-gather half is missing.",
                             "an all-reduce is a reduce-scatter AND an all-gather, on the same chunks.")
             if phase == "all_reduce_uneven":
+                sizes = [len(b) for b in bounds]
                 raise Wrong("uneven", f"with {numel} elements on {n} ranks (not a multiple of N) rank {r} "
-                            "does not end with the sum.", "cut any size into N chunks with torch.tensor_split.")
+                            f"does not end with the sum ({first}); torch.tensor_split cuts {numel} elements into "
+                            f"{n} chunks of {', '.join(map(str, sizes))}.",
+                            "cut any size into exactly N chunks with torch.tensor_split: a split into chunks of "
+                            "numel // N elements makes N + 1 chunks when N does not divide the size, and the ring "
+                            "never visits the last.")
             raise Wrong("all_reduce_wrong", f"rank {r} does not end with the sum over ranks "
-                        f"({numel} elements).", "reduce-scatter, then all-gather, on the same chunks.")
+                        f"({numel} elements: {first}).", "reduce-scatter, then all-gather, on the same chunks.")
     return f"every rank ends with the sum, for {n * C} and for {n * C + 1} elements"
 
 
@@ -238,16 +268,19 @@ def bytes_and_ring(ranks) -> str:
             sends = [(peer, numel) for ph, kind, peer, numel in log if ph == phase and kind == "send"]
             recvs = [(peer, numel) for ph, kind, peer, numel in log if ph == phase and kind == "recv"]
             sent = 4 * sum(numel for _, numel in sends)
+            seam = ("reduce_scatter_chunks", "all_gather_chunks", "ring_all_reduce")[
+                ("reduce_scatter", "all_gather", "all_reduce").index(phase)]
             if sent != round(factor * S):
                 raise Wrong("bytes", f"{phase.replace('_', '-')} of S = {S} B on {n} ranks: rank {r} sent "
-                            f"{fmt_bytes(sent)} in {len(sends)} message(s); the ring sends {formula} = "
+                            f"{fmt_bytes(sent)} in {_count(len(sends), 'message')}; the ring sends {formula} = "
                             f"{fmt_bytes(factor * S)}, one chunk of S/N per step.",
-                            "each step sends ONE chunk to the right neighbour, never the whole tensor.")
+                            "each step sends ONE chunk to the right neighbour, never the whole tensor.",
+                            blame=(seam,))
             odd = [p for p, _ in sends if p != (r + 1) % n] + [p for p, _ in recvs if p != (r - 1) % n]
             if odd:
                 raise Wrong("not_a_ring", f"{phase.replace('_', '-')}: rank {r} exchanged messages with rank "
                             f"{odd[0]}, which is not its neighbour in the ring.",
-                            "send only to (r + 1) % N and receive only from (r - 1) % N.")
+                            "send only to (r + 1) % N and receive only from (r - 1) % N.", blame=("exchange", seam))
     return (f"S = {S} B on {n} ranks: reduce-scatter and all-gather send (N-1)/N S = "
             f"{fmt_bytes((n - 1) / n * S)}, all-reduce 2(N-1)/N S = {fmt_bytes(2 * (n - 1) / n * S)}, every "
             "message to the right neighbour")
@@ -265,4 +298,10 @@ LAB = Lab(
             Check("bytes: (N-1)/N S per phase, to the right neighbour only", bytes_and_ring,
                   'chapter 4, "Bytes on the wire: measured against the formula"')),
     mistakes_module="zerolab.labs.ring_mistakes",
+    blame={**dict.fromkeys(("reversed", "recv_untouched", "exchange_wrong"), ("exchange",)),
+           **dict.fromkeys(("step_count", "wrong_chunk", "nothing_added", "copied_not_added", "missing_contribution",
+                            "reduce_scatter_wrong"), ("reduce_scatter_chunks",)),
+           **dict.fromkeys(("wrong_place", "never_arrived", "gathered_by_adding", "all_gather_wrong"),
+                           ("all_gather_chunks",)),
+           **dict.fromkeys(("divided", "no_all_gather", "uneven", "all_reduce_wrong"), ("ring_all_reduce",))},
 )

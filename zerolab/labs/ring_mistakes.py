@@ -22,6 +22,14 @@ def runs_backwards(ledger, send, recv, r, n):
     h_recv.wait()
 
 
+def receives_into_a_new_tensor(ledger, send, recv, r, n):
+    incoming = torch.empty_like(recv)      # (the message lands here, and `recv` is never written)
+    h_send = ledger.isend(send.contiguous(), (r + 1) % n, tag="ring")
+    h_recv = ledger.irecv(incoming, (r - 1) % n, tag="ring")
+    h_send.wait()
+    h_recv.wait()
+
+
 def _exchange(ledger, send, recv, r, n):
     from ..theory.collectives import exchange as library
     library(ledger, send, recv, r, n, "ring")
@@ -55,6 +63,35 @@ def gathers_into_the_wrong_chunk(chunks, ledger, r, n):
     for step in range(n - 1):
         send_i, recv_i = (r - step) % n, (r - step + 1) % n     # (receives into the next chunk)
         _exchange(ledger, chunks[send_i], chunks[recv_i], r, n)
+
+
+def gathers_by_adding(chunks, ledger, r, n):
+    scratch = torch.empty_like(chunks[0])
+    for step in range(n - 1):
+        send_i, recv_i = (r - step) % n, (r - step - 1) % n
+        _exchange(ledger, chunks[send_i], scratch, r, n)
+        chunks[recv_i].add_(scratch)        # (the reduce-scatter's addition, in the all-gather)
+
+
+def all_gather_one_step_short(chunks, ledger, r, n):
+    for step in range(n - 2):               # (N - 2 steps)
+        send_i, recv_i = (r - step) % n, (r - step - 1) % n
+        _exchange(ledger, chunks[send_i], chunks[recv_i], r, n)
+
+
+def splits_by_numel_over_n(tensor, ledger):
+    from ..theory.collectives import all_gather_chunks, reduce_scatter_chunks, ring_position
+    ledger, r, n = ring_position(ledger)
+    chunks = list(tensor.view(-1).split(tensor.numel() // n))   # (N + 1 chunks when N does not divide it)
+    reduce_scatter_chunks(chunks, ledger, r, n, "ring")
+    all_gather_chunks(chunks, ledger, r, n, "ring")
+
+
+def averages(tensor, ledger):
+    import torch.distributed as dist
+    from ..theory.collectives import ring_all_reduce
+    ring_all_reduce(tensor, ledger)
+    tensor.div_(dist.get_world_size())      # (the mean, where the sum was asked for)
 
 
 def forgets_the_all_gather(tensor, ledger):
@@ -91,6 +128,15 @@ MISTAKES = (
             {"ring_all_reduce": sends_everything_to_everyone}, "bytes"),
     Mistake("runs_backwards", "sent to the left and received from the right",
             {"exchange": runs_backwards}, "reversed"),
+    Mistake("receives_into_a_new_tensor", "received into a tensor of its own instead of `recv`",
+            {"exchange": receives_into_a_new_tensor}, "recv_untouched"),
+    Mistake("gathers_by_adding", "added each received chunk in the all-gather, as in the reduce-scatter",
+            {"all_gather_chunks": gathers_by_adding}, "gathered_by_adding"),
+    Mistake("all_gather_one_step_short", "ran the all-gather for N - 2 steps",
+            {"all_gather_chunks": all_gather_one_step_short}, "never_arrived"),
+    Mistake("splits_by_numel_over_n", "cut the all-reduce's tensor into chunks of numel // N elements",
+            {"ring_all_reduce": splits_by_numel_over_n}, "uneven"),
+    Mistake("averages", "divided the all-reduce's sum by N", {"ring_all_reduce": averages}, "divided"),
     Mistake("receives_from_the_right", "received from the right neighbour, which sends to its own right",
             {"exchange": receives_from_the_right}, "hang", hangs=True),
 )

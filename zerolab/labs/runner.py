@@ -34,6 +34,8 @@ class Verdict:
     section: str = ""
     key: str = ""               # the kind of failure (tests)
     step: int | None = None     # the training step the failure was seen at (None: not tied to one)
+    where: str = ""             # the graded code it comes from: "your _reduce (lab3_ddp.py, line 40)"
+    blame: tuple = ()           # the seams the check named (else the lab's blame for the key)
 
 
 @dataclass
@@ -62,6 +64,8 @@ class Report:
             out.append(f"  {v.status}  {v.check}" + (f": {v.line}" if v.line and v is not first else ""))
             if v is first:
                 out += _indent(v.line, 8)
+                if v.where:
+                    out += _indent(f"Look at: {v.where}.", 8)
                 if v.hint:
                     out += _indent(f"What to do: {v.hint}", 8)
                 out += _indent(f"Re-read: {v.section}.", 8)
@@ -112,10 +116,11 @@ def grade_cases(cases: list) -> list:
     collective timeout."""
     labs = {name: load_lab(name) for name, _ in cases}
     reports = [Report(labs[name], describe_spec(labs[name], spec)) for name, spec in cases]
-    runnable = []
+    runnable, plugins = [], {}
     for report, (name, spec) in zip(reports, cases):
         try:
-            for_spec(labs[name], spec)    # a file that does not import is reported without starting ranks
+            # a file that does not import is reported without starting ranks
+            plugins[(name, spec)] = for_spec(labs[name], spec)
             runnable.append((name, spec))
         except FileProblem as exc:
             report.verdicts = [Verdict("it runs", "FAIL", str(exc), "", "the lab's brief", "file")]
@@ -133,15 +138,52 @@ def grade_cases(cases: list) -> list:
             results.update({c: [{"data": None, "error": {"launch": str(exc)}}] * size for c in order})
     for report, case in zip(reports, cases):
         if case in results:
-            report.verdicts = evaluate(labs[case[0]], results[case])
+            report.verdicts = evaluate(labs[case[0]], results[case], plugins.get(case))
     return reports
 
 
 # ------------------------------------------------------------------ from measurements to verdicts
 
 
-def evaluate(lab, ranks: list) -> list:
-    """The verdicts of one graded run, from every rank's result, in the lab's order."""
+def evaluate(lab, ranks: list, plugin: dict | None = None) -> list:
+    """The verdicts of one graded run, from every rank's result, in the lab's order; each failure
+    names the graded code it comes from (written_in), given the plugin that was graded."""
+    verdicts = _evaluate(lab, ranks)
+    if plugin is not None:
+        for v in verdicts:
+            if v.status == "FAIL":
+                v.where = written_in(lab, plugin, v)
+    return verdicts
+
+
+def written_in(lab, plugin: dict, verdict) -> str:
+    """'your _reduce (lab3_ddp.py, line 40)' for each seam a failure of this kind comes from
+    (Lab.blame, or the Wrong's own), that the graded code writes itself (not the library's own
+    method, which a planted mistake keeps) and that the message does not name already."""
+    from .overlap import defined_at
+    found = []
+    for seam in verdict.blame or lab.blame.get(verdict.key, ()):
+        fn, library = _seam(lab, plugin, seam)
+        if fn is None or getattr(fn, "__code__", None) is getattr(library, "__code__", False):
+            continue
+        at = defined_at(fn)
+        said = verdict.line + verdict.hint
+        if at and at.strip() not in said and f"{seam} (" not in said:
+            found.append(f"your {seam}{at}")
+    return " and ".join(found)
+
+
+def _seam(lab, plugin: dict, name: str) -> tuple:
+    """(the graded code's seam `name`, the library's own), a method of a role's class or a function role."""
+    for role, blank in lab.roles.items():
+        if blank is None and role == name:
+            return plugin.get(role), lab.reference[role]
+        if blank is not None and name in dir(blank) and role in plugin:
+            return getattr(plugin[role], name, None), getattr(lab.reference[role], name, None)
+    return None, None
+
+
+def _evaluate(lab, ranks: list) -> list:
     failure = _run_failure(ranks)
     if failure is not None:                       # it crashed, hung, or never started
         key, line, hint = failure
@@ -176,7 +218,7 @@ def _after_run(check, data: list) -> Verdict:
     try:
         return Verdict(check.title, "PASS", check.run(data))
     except Wrong as exc:
-        return Verdict(check.title, "FAIL", exc.what, exc.hint, check.section, exc.key, exc.step)
+        return Verdict(check.title, "FAIL", exc.what, exc.hint, check.section, exc.key, exc.step, blame=exc.blame)
     except Exception as exc:    # noqa: BLE001 - a run the check cannot read fails the check
         return Verdict(check.title, "FAIL", f"the grader could not read the run: {type(exc).__name__}: {exc}",
                        "", check.section, "unreadable")

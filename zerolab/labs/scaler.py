@@ -39,9 +39,11 @@ RULES = dict(init_scale=2.0**10, growth_interval=3, hysteresis=2, min_scale=1.0,
 #   two in a row: back off; s9 tolerated, and it restarts the clean count, so s12 grows, and s15;
 #   s16-s19 four in a row: back off at s17 (which refills the count) and again at s19
 EXPECTED_LOG2 = [10, 10, 11, 11, 11, 11, 10, 10, 10, 10, 10, 10, 11, 11, 11, 12, 12, 11, 11, 10]
-GIVE_UPS = {   # name -> (settings, pattern, the step at which it must raise)
+GIVE_UPS = {   # name -> (settings, pattern, the step at which it must raise: None, never)
     "at min_scale": (dict(init_scale=2.0**8, min_scale=2.0**7, hysteresis=1, growth_interval=100), "xx", 1),
     "after max_skips": (dict(init_scale=2.0**20, hysteresis=1, max_skips=3, growth_interval=100), "xxxx", 2),
+    "not for skips apart": (dict(init_scale=2.0**20, hysteresis=1, max_skips=3, growth_interval=100), "xx.xx.xx",
+                            None),
 }
 SCALED = dict(init_scale=2.0**8, growth_interval=2)   # the training run's scaler
 INF_STEP, STEPS, LR = 1, 4, 0.1
@@ -166,6 +168,10 @@ def _reference(n) -> dict:
 # ------------------------------------------------------------------ the checks, in the parent
 
 
+def _count(k: int, what: str) -> str:
+    return f"{k} {what}{'s' * (k != 1)}"
+
+
 def _diagnose(pattern, expected, seen, k, hysteresis, growth_interval) -> tuple:
     """(key, what happened, what to do) at step k, the first where `seen` differs from `expected`."""
     before = expected[k - 1] if k else None
@@ -179,13 +185,13 @@ def _diagnose(pattern, expected, seen, k, hysteresis, growth_interval) -> tuple:
         backoffs = [i for i in range(1, k) if expected[i] < expected[i - 1]]
         last = backoffs[-1] if backoffs else -1
         if last > k - streak:
-            return ("backoff_not_refilled", f"it backed off again {k - last} step(s) after a back-off, within "
+            return ("backoff_not_refilled", f"it backed off again {_count(k - last, 'step')} after a back-off, within "
                     "the same run of overflows", "backing off refills the hysteresis count: the next back-off "
                     "needs `hysteresis` more overflows in a row.")
         if "x" in pattern[last + 1:k - streak + 1]:
             return ("hysteresis_not_refilled", "it backed off although a clean step came between the "
                     "overflows", "a clean step refills the hysteresis count: it counts overflows IN A ROW.")
-        return ("no_hysteresis", f"it backed off after {streak} overflow(s) in a row; hysteresis={hysteresis} "
+        return ("no_hysteresis", f"it backed off after {_count(streak, 'overflow')} in a row; hysteresis={hysteresis} "
                 f"tolerates {hysteresis - 1}", "back off only when the overflows in a row reach hysteresis.")
     if overflow and got == was and should < was:
         return "no_backoff", "it did not back off", "after `hysteresis` overflows in a row, multiply by backoff_factor."
@@ -193,7 +199,9 @@ def _diagnose(pattern, expected, seen, k, hysteresis, growth_interval) -> tuple:
         if "x" in recent:
             return ("grew_after_overflow", f"the scale grew although step {k - recent[::-1].index('x') - 1} "
                     "overflowed", "an overflow restarts the count of clean steps (_good_steps = 0).")
-        return "grew_early", "the scale grew early", f"grow after growth_interval = {growth_interval} clean steps."
+        since = max([i for i in range(k) if pattern[i] == "x" or (i and expected[i] > expected[i - 1])], default=-1)
+        return ("grew_early", f"the scale grew after {k - since} clean steps in a row",
+                f"grow after growth_interval = {growth_interval} clean steps in a row, not one sooner.")
     if not overflow and got == was and should > was:
         return ("no_growth", "the scale did not grow", f"after growth_interval = {growth_interval} clean steps in "
                 "a row, grow, and start counting again from 0.")
@@ -232,18 +240,24 @@ def give_up(ranks) -> str:
         got = ranks[0]["give_up"][name]
         if got["gave_up"] == step:
             continue
+        raised = "did not raise" if got["gave_up"] is None else f"raised at step {got['gave_up']}"
         if name == "at min_scale":
             raise Wrong("no_give_up_at_floor", f"an overflow with the scale already at min_scale "
                         f"({settings['min_scale']:g}) must raise FloatingPointError (step {step} of "
-                        f"{pattern}); it " + ("did not raise" if got["gave_up"] is None else
-                                              f"raised at step {got['gave_up']}") +
-                        f", and the scale went to {got['scales'][-1]:g}.",
+                        f"{pattern}); it {raised}, and the scale went to {got['scales'][-1]:g}.",
                         "at min_scale there is no scale left to lower: the loss itself is inf or nan.")
+        if name == "not for skips apart":
+            raise Wrong("gave_up_on_total_skips", f"with max_skips = {settings['max_skips']}, pattern {pattern} "
+                        f"(x = overflow) must never raise: no more than two steps in a row overflow. It raised "
+                        f"FloatingPointError at step {got['gave_up']}, at skipped step number {settings['max_skips']} "
+                        "in all, with a clean step between.",
+                        "give up after max_skips skipped steps IN A ROW (self.skipped_in_a_row, which a clean step "
+                        "sets back to 0), not after max_skips in all (self.skipped).")
         raise Wrong("no_give_up_after_max_skips", f"after max_skips = {settings['max_skips']} skipped steps in a "
-                    "row it must raise FloatingPointError; it " + ("did not raise" if got["gave_up"] is None
-                                                                  else f"raised at step {got['gave_up']}") + ".",
+                    f"row it must raise FloatingPointError (step {step} of {pattern}); it {raised}.",
                     "count skipped steps in a row (a clean step restarts the count).")
-    return "it raises FloatingPointError at an overflow at min_scale, and after max_skips skips in a row"
+    return ("it raises FloatingPointError at an overflow at min_scale and after max_skips skips in a row, and not "
+            "for as many skips with clean steps between")
 
 
 def parity(ranks) -> str:
@@ -252,11 +266,25 @@ def parity(ranks) -> str:
         bad = [(s, r) for s, r in enumerate(d["ratios"]) if r is not None and abs(r[0] / r[1] - 1) > 1e-3]
         if bad:
             step, (divided, scale) = bad[0]
+            if abs(divided * scale - 1) < 1e-3:
+                raise Wrong("multiplied", f"at step {step} rank {d['rank']}'s gradients were multiplied by the "
+                            f"scale, {scale:g}, instead of divided by it: they reached the optimizer {scale ** 2:g} "
+                            "times too large.", "unscaling divides: multiply every gradient by 1 / scale.")
+            how = (f"{scale / divided:.3g} times too large" if divided < scale else
+                   f"{divided / scale:.3g} times too small")
             raise Wrong("not_unscaled", f"at step {step} rank {d['rank']}'s gradients were divided by "
                         f"{divided:.3g}, but the loss had been multiplied by the scale, {scale:g}: they reached "
-                        f"the optimizer {scale / divided:.3g} times too large.",
-                        "multiply every gradient by 1 / scale before the finite check.")
+                        f"the optimizer {how}.",
+                        "multiply every gradient by 1 / scale, once, before the finite check.")
         if d["applied"] != want:
+            if d["applied"][INF_STEP]:
+                raise Wrong("stepped_on_overflow", f"rank {d['rank']} applied step {INF_STEP}, whose gradients "
+                            f"held an inf on rank 0 (rank 1 planted it in out.bias, which only rank 0's slice "
+                            "holds), and every rank agreed to apply it: the ranks' flags were combined so that a "
+                            "finite rank outvoted the one that overflowed, and the update carried the inf into the "
+                            "weights.",
+                            "each rank's flag says \"I found an inf or nan\" (1) or not (0); combine them with "
+                            "op=\"max\", so that one overflow anywhere makes every rank skip.")
             raise Wrong("applied", f"rank {d['rank']} applied the steps {d['applied']}; only step {INF_STEP} "
                         "overflowed.", "step() returns False exactly when the gradients overflowed.")
         err = max(float((d["weights"][k] - v).abs().max()) for k, v in d["ref"].items())
@@ -281,4 +309,10 @@ LAB = Lab(
             Check("it gives up when skipping cannot help", give_up, 'chapter 2, "3. Scale collapse"'),
             Check("parity with one fp32 process, the overflowed step skipped", parity, 'chapter 2, "The protocol"')),
     mistakes_module="zerolab.labs.scaler_mistakes",
+    blame={**dict.fromkeys(("grew_on_overflow", "backoff_not_refilled", "hysteresis_not_refilled", "no_hysteresis",
+                            "no_backoff", "grew_after_overflow", "grew_early", "no_growth", "trajectory",
+                            "gave_up_early", "no_give_up_at_floor", "gave_up_on_total_skips",
+                            "no_give_up_after_max_skips"), ("update",)),
+           **dict.fromkeys(("verdicts_differ", "multiplied", "not_unscaled", "stepped_on_overflow", "applied",
+                            "weights"), ("unscale_and_check",))},
 )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import GRAD_REL, check_weights
+from .checks import GRAD_REL, check_weights, digits, expected_seen
 from .lab import Wrong
 from .overlap import defined_at
 from .views import BRANCH, CHECKPOINT_AFTER, GRADS, STATE_DICTS_AT, VIEWS
@@ -56,10 +56,15 @@ def check_cut(engine, names):
             if lo == hi or v.numel() == 0:
                 if v.numel() != hi - lo:
                     seen = f"holds {v.numel()} elements" if v.numel() else "is empty"
-                    return (VIEWS, "view_range", f"rank {r}'s view of {name}, as your _cut{at} cut it, {seen}: "
-                            f"{where}.", "a view covers exactly the elements of its parameter inside the slice: "
-                            "where the parameter's range and the slice's overlap.")
+                    return _range_problem(engine, names, at, f"rank {r}'s view of {name}, as your _cut{at} cut it, "
+                                          f"{seen}: {where}.")
                 continue
+            if v.dtype != master.dtype:
+                return (VIEWS, "view_dtype", f"rank {r}'s view of {name}, as your _cut{at} made it, is "
+                        f"{_dtype(v)}; master {b} is {_dtype(master)}. A view in another dtype is a converted "
+                        "copy: the optimizer would update the copy, and the model's weights would never change.",
+                        "slice the master as it is (no .half(), .double() or .to()): a view keeps its master's dtype "
+                        "and memory.")
             if v.untyped_storage().data_ptr() != master.untyped_storage().data_ptr():
                 return (VIEWS, "view_copy", f"rank {r}'s view of {name}, as your _cut{at} made it, is not in the "
                         f"memory of master {b}: it is a copy. The optimizer would update the copy, and the model's "
@@ -68,11 +73,9 @@ def check_cut(engine, names):
                         "share memory; .clone(), .reshape() of a non-contiguous tensor and torch.tensor() do not.")
             start = v.storage_offset() - master.storage_offset() + s.start - o   # in the parameter
             if (start, start + v.numel()) != (plo, phi):
-                return (VIEWS, "view_range", f"rank {r}'s view of {name}, as your _cut{at} cut it, covers elements "
-                        f"{_range(start, start + v.numel())} of the flattened parameter; {where}.",
-                        "a parameter at [o, o + n) of the bucket and the slice [start, stop) overlap in "
-                        "[max(o, start), min(o + n, stop)), ends excluded as in Python's slices; in the master, "
-                        "whose element 0 is the bucket's element `start`, that range moves down by `start`.")
+                return _range_problem(engine, names, at, f"rank {r}'s view of {name}, as your _cut{at} cut it, "
+                                      f"covers elements {_range(start, start + v.numel())} of the flattened "
+                                      f"parameter; {where}.")
             if tuple(v.shape) != shape:
                 why = (f"all of {name} lies in rank {r}'s slice, so its view keeps the parameter's own shape, "
                        f"{shape}: the optimizer then sees the very tensor a plain one steps (a whole-matrix "
@@ -84,6 +87,80 @@ def check_cut(engine, names):
                         f"{tuple(v.shape)}; {why}.", "view the piece in the parameter's shape when it is all of "
                         "the parameter, and leave it flat when it is part of it.")
     return None
+
+
+def _dtype(t) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _seen_ranges(engine, names) -> dict | None:
+    """name -> (first, end) of the flattened parameter that its view covers on this rank ((0, 0):
+    empty), or None if some non-empty view is not in its master's memory."""
+    out = {}
+    for b, bucket in enumerate(engine.buckets.buckets):
+        master, s = engine.flat_masters[b], engine.shards[b]
+        for p, o in zip(bucket.params, bucket.offsets):
+            v = engine.views.view_of.get(id(p))
+            if not torch.is_tensor(v):
+                return None
+            if v.numel() == 0:
+                out[names[id(p)]] = (0, 0)
+                continue
+            if v.untyped_storage().data_ptr() != master.untyped_storage().data_ptr():
+                return None
+            start = v.storage_offset() - master.storage_offset() + s.start - o
+            out[names[id(p)]] = (start, start + v.numel())
+    return out
+
+
+def _unpadded_ranges(engine, names, first, own_start: bool) -> dict:
+    """What each view would cover had the slice been cut from the bucket's REAL size: rank r's
+    [first(r, numel), first(r + 1, numel)), sliced out of the master from that start (own_start)
+    or from the slice's true start, and clamped to the master as Python's slicing clamps."""
+    out, r, n = {}, engine.rank, engine.world_size
+    for b, bucket in enumerate(engine.buckets.buckets):
+        s, length = engine.shards[b], engine.flat_masters[b].numel()
+        start, stop = first(r, bucket.numel, n), first(r + 1, bucket.numel, n)
+        shift = start if own_start else s.start
+        for p, o, k in zip(bucket.params, bucket.offsets, bucket.sizes):
+            lo, hi = max(o, start), min(o + k, stop)
+            a, z = max(0, lo - shift), min(length, hi - shift)
+            out[names[id(p)]] = (0, 0) if lo >= hi or a >= z else (a + s.start - o, z + s.start - o)
+    return out
+
+
+def _range_problem(engine, names, at, what):
+    """The problem for a view that covers the wrong elements: `what` says which and where. Every
+    view of this rank is then compared with two mistakes' patterns: each non-empty view one
+    element short (the last element inside taken as a slice's end), or every view as a slice
+    computed without the padding would give."""
+    r, n = engine.rank, engine.world_size
+    seen = _seen_ranges(engine, names)
+    expected = {name: (e[3], e[4]) if e[1] < e[2] else (0, 0) for name, e in engine.expected.items()}
+    short = {name: (a, z - 1) if z - 1 > a else (0, 0) for name, (a, z) in expected.items()}
+    if seen is not None and seen == short:
+        return (VIEWS, "view_off_by_one", f"{what} Every non-empty view on rank {r} is one element short at its "
+                "end: the last element inside the slice was taken as the end of a Python slice, which is excluded.",
+                "a parameter at [o, o + n) of the bucket and the slice [start, stop) overlap in "
+                "[max(o, start), min(o + n, stop)), ends excluded as in Python's slices: the end is one past the "
+                "last element, so no - 1; in the master, whose element 0 is the bucket's element `start`, that "
+                "range moves down by `start`.")
+    cuts = ((lambda q, numel, n: q * (numel // n)), (lambda q, numel, n: q * numel // n))
+    if seen is not None and any(seen == _unpadded_ranges(engine, names, f, own) for f in cuts for own in (True, False)):
+        b = next(b for b, bucket in enumerate(engine.buckets.buckets)
+                 if any(seen[names[id(p)]] != expected[names[id(p)]] for p in bucket.params))
+        bucket, s = engine.buckets.buckets[b], engine.shards[b]
+        return (VIEWS, "view_unpadded", f"{what} Bucket {b} holds {bucket.numel} real elements, padded to "
+                f"{bucket.padded_numel} ({bucket.padded_numel - bucket.numel} of padding) so that N = {n} divides "
+                f"it: each rank's slice is padded_numel / N = {bucket.padded_numel // n} elements, rank {r}'s "
+                f"{_range(s.start, s.stop)}. Every view on rank {r} is what a slice of the real size, numel // N = "
+                f"{bucket.numel // n} elements, would give: the slice was computed without the padding.",
+                "cut with the slice you are given, s: its start and stop count the padding (the padded buffer "
+                "split N ways, as the reduce-scatter splits it); a slice worked out from the real size moves "
+                "every edge once a bucket is padded.")
+    return (VIEWS, "view_range", what, "a view covers exactly the elements of its parameter inside the slice: "
+            "in the bucket, where the parameter's range and the slice's overlap; in the master, that range "
+            "less the slice's start.")
 
 
 def check_placed(engine, names, settings):
@@ -223,6 +300,18 @@ def loaded_problem(loaded, expected, ref, rank):
             flat = v.reshape(-1)
             if not torch.equal(s.reshape(-1).to(v.dtype), flat[plo:phi]):
                 n = phi - plo
+                mine = s.reshape(-1).to(v.dtype)
+                for low in (torch.float16, torch.bfloat16):
+                    if torch.equal(mine, flat[plo:phi].to(low).to(v.dtype)):
+                        j = int((mine != flat[plo:phi]).nonzero()[0])
+                        got, was = digits(float(mine[j]), float(flat[plo + j]))
+                        return ("loaded_rounded", f"{head}: {key} of {name} holds the checkpoint's elements "
+                                f"{_range(plo, phi)}, the ones its view on rank {rank} covers, rounded to "
+                                f"{str(low).replace('torch.', '')}: element {plo + j} is {got} where the "
+                                f"checkpoint's is {was}. Torch loads a state tensor in its parameter's dtype, "
+                                f"{str(v.dtype).replace('torch.', '')}, but the bits the cast dropped do not come "
+                                "back.", "cut the tensors as they are (slicing and reshape keep the dtype): no "
+                                ".half(), .to() or torch.tensor(..., dtype=...) on the way.")
                 found = next((j for j in range(flat.numel() - n + 1) if torch.equal(s.reshape(-1), flat[j:j + n])), None)
                 seen_at = (f"elements {_range(found, found + n)} of the checkpoint's" if found is not None
                            else "numbers that are no range of the checkpoint's")
@@ -259,9 +348,16 @@ def parity(ranks) -> str:
                 for key in ("exp_avg", "exp_avg_sq"):
                     w, s = want[key].reshape(-1)[plo:phi], seen[key].reshape(-1).float()
                     tol = GRAD_REL * float(w.abs().max()) + 1e-12
-                    if s.shape != w.shape or not bool(((s - w).abs() <= tol).all()):
-                        raise Wrong("moments", f"after step {step}, rank {d['rank']}: {key} of {name} (its elements "
-                                    f"{_range(plo, phi)}) is not one process's.", "", step)
+                    if s.shape != w.shape:
+                        raise Wrong("moments", f"after step {step}, rank {d['rank']}: {key} of {name} holds "
+                                    f"{s.numel()} elements; its view covers {_range(plo, phi)} of the parameter, "
+                                    f"{phi - plo} elements.", "", step)
+                    bad = ((s - w).abs() > tol).nonzero()
+                    if bad.numel():
+                        i = int(bad[0])
+                        raise Wrong("moments", f"after step {step}, rank {d['rank']}: {key} of {name}, element "
+                                    f"{plo + i} of the parameter, is not one process's: "
+                                    f"{expected_seen(w, s, i)}.", "", step)
             for piece, w in zip(d["buckets"], d["steps"][step]["weights"]):
                 size = piece.padded // d["n"]
                 check_weights(w, piece, ref["weights"][step], ref["before"][step], d["rank"], step,
@@ -275,6 +371,27 @@ def _wrong_state(d, step, key, what, hint):
     at = d["at"]
     return Wrong(key, f"rank {d['rank']}'s optimizer.state_dict() after step {step}: {what}",
                  f"in your pieces{at['pieces']} and assemble{at['assemble']}: {hint}.", step)
+
+
+def _wrong_dtype(d, step, k, name, key, s, v):
+    """Raise the Wrong for a state tensor of optimizer.state_dict() in another dtype than AdamW's."""
+    low = s.dtype in (torch.float16, torch.bfloat16)
+    lost = ""
+    if low and s.numel() == v.numel():
+        diff = (s.reshape(-1).to(v.dtype) != v.reshape(-1)).nonzero()
+        if diff.numel():
+            i = int(diff[0])
+            was, got = digits(float(v.reshape(-1)[i]), float(s.reshape(-1)[i]))
+            lost = f" Element {i} is {got} where a plain AdamW's is {was}."
+    why = (f"rounded to {_dtype(s)}'s {8 if s.dtype == torch.bfloat16 else 11} significant bits (float32 has 24), "
+           f"and a checkpoint saved from it keeps the rounding for good.{lost}" if low else
+           f"{s.element_size()} bytes an element where AdamW keeps {v.element_size()}: the checkpoint grows, for "
+           "digits the optimizer never had.")
+    raise _wrong_state(d, step, "state_rounded" if low else "state_widened",
+                       f"{key} of {name} (position {k}) is {_dtype(s)}, shape {tuple(s.shape)}; a plain AdamW's is "
+                       f"{_dtype(v)}, the dtype of the parameter and of the pieces every rank sends: {why}",
+                       "make each whole tensor in the dtype of the pieces it is made of (torch.zeros(..., "
+                       "dtype=piece.dtype)), and cast nothing")
 
 
 def state_dict(ranks) -> str:
@@ -296,6 +413,8 @@ def _compare_state_dict(d, step, seen, want) -> None:
         piece = layout[name][4] - layout[name][3]
         for key, v in st.items():
             s = got.get(key)
+            if torch.is_tensor(v) and v.dim() > 0 and torch.is_tensor(s) and s.dtype != v.dtype:
+                _wrong_dtype(d, step, k, name, key, s, v)
             if torch.is_tensor(v) and v.dim() > 0 and torch.is_tensor(s) and tuple(s.shape) != tuple(v.shape):
                 if s.numel() == piece != v.numel():
                     raise _wrong_state(d, step, "state_slice", f"{key} of {name} (position {k}) has shape "
@@ -336,10 +455,16 @@ def _compare_state_dict(d, step, seen, want) -> None:
             bad = ((s.float() - v).abs() > tol).reshape(-1).nonzero()
             if bad.numel():
                 i = int(bad[0])
+                seen_at = [j for j in range(v.numel()) if float(v.reshape(-1)[j]) == float(s.reshape(-1)[i])]
+                mine = layout[name][3:5]
+                note = (f"; that value is the plain AdamW's element {seen_at[0]}, so a piece was put where another "
+                        "lies" if seen_at and seen_at[0] != i else "")
                 raise _wrong_state(d, step, "state_values", f"{key} of {name} (position {k}), element {i} of the "
-                                   f"flattened parameter, is {float(s.reshape(-1)[i]):.3g}; a plain AdamW's is "
-                                   f"{float(v.reshape(-1)[i]):.3g}.", "each piece goes where it lies in the "
-                                   "flattened parameter")
+                                   f"flattened parameter, is not a plain AdamW's: "
+                                   f"{expected_seen(v.reshape(-1), s.reshape(-1).float(), i)}{note}. (Rank "
+                                   f"{d['rank']}'s view covers its elements {_range(*mine)}.)",
+                                   "each piece goes where it lies in the flattened parameter: the elements a view "
+                                   "covers, [first, end) of the parameter, go to [first, end) of the whole tensor")
 
 
 def checkpoint(ranks) -> str:

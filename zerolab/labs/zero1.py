@@ -10,14 +10,14 @@ and the step template are the library's:
     _complete(b)         write the result into the owned slice of the bucket's gradient
     _publish()           after the optimizer stepped the owned slices: every rank gets every slice
 
-ZeRO1Lab is zl.ZeRO(stage=1) with those four left to write; the grader checks the slices the
-moment they are laid out.
+ZeRO1Lab is zl.ZeRO(stage=1) with those four left to write; the grader checks the slices and the
+masters' dtype the moment they are laid out.
 """
 
 from __future__ import annotations
 
 from ..engines.zero1 import ZeRO1     # the library's engine: its seams are the reference
-from .checks import adam_state_bytes, check_collectives, check_parity, fmt_bytes, per_step, piece_of_bucket
+from .checks import PARITY, adam_state_bytes, check_collectives, check_parity, fmt_bytes, per_step, piece_of_bucket
 from .engine_run import moved, record_run, stub
 from .lab import Check, Lab, Stop, Wrong
 from .overlap import defined_at
@@ -54,6 +54,17 @@ class ZeRO1Lab(ZeRO1):
         for b, bucket in enumerate(self.buckets.buckets):
             size = bucket.padded_numel // self.world_size
             mine = self.shards[b]
+            master = self.master_shards[b]
+            if master.dtype != bucket.data.dtype and not self.precision.policy.needs_master:
+                raise Stop(OWNERSHIP, "master_dtype",
+                           f"rank {self.rank}'s master of bucket {b}, as your _lay_out_masters"
+                           f"{defined_at(type(self)._lay_out_masters)} set it, is "
+                           f"{str(master.dtype).replace('torch.', '')}, shape {tuple(master.shape)}; the model "
+                           f"trains in {str(bucket.data.dtype).replace('torch.', '')}, so the master is the owned "
+                           "slice of the bucket's own flat buffer, a view: no cast, no copy. A master in another "
+                           "dtype is a copy, and what the optimizer writes into it never reaches the model.",
+                           "self.master_shards[b] = bucket.data[self.shards[b]]: slicing keeps the dtype and "
+                           "the memory.")
             if (mine.start, mine.stop) != (self.rank * size, (self.rank + 1) * size):
                 raise Stop(OWNERSHIP, "wrong_slice",
                            f"rank {self.rank}'s slice of bucket {b}, as your _lay_out_masters"
@@ -82,8 +93,11 @@ def measure(plugin) -> dict:
     buckets = engine.buckets.buckets
     pieces = [piece_of_bucket(f"bucket {b} (rank {engine.rank}'s slice)", bucket, names,
                               engine.shards[b].start, engine.shards[b].stop) for b, bucket in enumerate(buckets)]
+    # after backward, the whole of each bucket's gradient too: a result written at another slice's
+    # offset is found there (checks.check_parity)
     data = record_run(engine, pieces, held=lambda e: e._owned_grads(),
                       weights=lambda e: [bucket.data for bucket in buckets],
+                      after_backward=lambda e, step: {"full": [b.grad.detach().float().clone() for b in buckets]},
                       after_step=lambda e, step: {"memory": e.memory_report()})
     data["buckets"] = [piece_of_bucket(f"bucket {b}", bucket, names) for b, bucket in enumerate(buckets)]
     return data
@@ -141,10 +155,16 @@ LAB = Lab(
     stub_file="lab4_zero1.py", world_size=2,
     roles={"engine": ZeRO1Lab}, reference={"engine": ReferenceZeRO1}, measure=measure,
     checks=(Check(OWNERSHIP, None, 'chapter 6, "The idea" (who owns what)',
-                  "slice r of bucket b is [r P / N, (r + 1) P / N) of its padded size P, on every rank"),
-            Check("parity with one process on the global batch", parity, 'chapter 6, "The idea"'),
+                  "slice r of bucket b is [r P / N, (r + 1) P / N) of its padded size P, on every rank, and every "
+                  "master is in the model's dtype"),
+            Check(PARITY, parity, 'chapter 6, "The idea"'),
             Check("bytes per step: reduce-scatter + all-gather = 2 Psi", bytes_per_step,
                   'chapter 6, "Two designs: all-reduce or reduce-scatter"'),
             Check("memory: (4 + 4) Psi + K Psi / N", memory, 'chapter 6, "Memory per rank against N_d"')),
     mistakes_module="zerolab.labs.zero1_mistakes",
+    blame={**dict.fromkeys(("not_divided", "divided_twice", "all_reduce", "bytes", "zeros"), ("_reduce",)),
+           **dict.fromkeys(("divided_not_reduced", "added_to_local", "not_reduced", "result_elsewhere"),
+                           ("_complete",)),
+           "not_updated": ("_publish",), "not_updated_own": ("_lay_out_masters", "_publish"),
+           "memory": ("_lay_out_masters",), "weights": ("_publish",)},
 )

@@ -52,6 +52,13 @@ class CopiedMasters(ReferenceZeRO1):
         self.master_shards[:] = [m.detach().clone() for m in self.master_shards]
 
 
+class MastersInFp64(ReferenceZeRO1):
+    def _lay_out_masters(self):
+        super()._lay_out_masters()
+        # (fp64 masters "for precision": casts, hence copies the optimizer steps)
+        self.master_shards[:] = [m.double() for m in self.master_shards]
+
+
 class NoAllGather(ReferenceZeRO1):
     def _publish(self):
         pass                            # (fp32: the owned slices are updated in place; the rest never arrives)
@@ -66,11 +73,12 @@ MISTAKES = (
     _m("unpadded_slices", "cut the slices from the real size of a bucket, not its padded size",
        UnpaddedSlices, "wrong_slice"),
     _m("completes_into_slice_zero", "wrote the reduce-scatter's result at the start of the bucket",
-       CompletesIntoSliceZero, "divided_not_reduced"),
+       CompletesIntoSliceZero, "result_elsewhere"),
     _m("adds_result", "added the reduce-scatter's result to the owned slice", AddsResult, "added_to_local"),
     _m("no_divide", "reduce-scattered without dividing by N", NoDivide, "not_divided"),
     _m("no_all_gather", "stepped the owned slices but never all-gathered the parameters", NoAllGather,
        "not_updated"),
     _m("copied_masters", "made the master slices copies of the buckets, not views", CopiedMasters,
        "not_updated_own"),
+    _m("masters_in_fp64", "cast the master slices to fp64", MastersInFp64, "master_dtype"),
 )

@@ -11,25 +11,27 @@ library's:
                         the pool, release the pool after the last bucket
 
 ZeRO2Lab is zl.ZeRO(stage=2) with those three left to write; the grader stops the run the moment
-a buffer is handed out again while its reduce-scatter is still in flight, or _reduce returns no
-handle. Overlap is graded by zerolab.labs.overlap's rule, as in lab 3.
+a bucket is reduce-scattered from a buffer cut to its real size (not its padded one), a buffer is
+handed out again while its reduce-scatter is still in flight, _reduce returns no handle, or a
+gradient slice is not fp32 when backward ends. Overlap is graded by zerolab.labs.overlap's rule,
+as in lab 3.
 """
 
 from __future__ import annotations
 
 from ..engines.zero2 import ZeRO2     # the library's engine: its seams are the reference
-from .checks import check_collectives, check_parity, fmt_bytes, per_step, piece_of_bucket
-from .engine_run import instrument, moved, record_run, stub
+from .checks import PARITY, check_collectives, check_parity, fmt_bytes, per_step, piece_of_bucket
+from .engine_run import WrongDtypeStops, instrument, moved, record_run, stub
 from .lab import Check, Lab, Stop, Wrong
-from .overlap import check_handle, check_overlap
+from .overlap import check_handle, check_overlap, where
 from .plugins import GradedCode
 from .model import BUCKET_MB, OPTIMIZER, SCHEDULE, build, loss_of, micro_batch
 
 SEAMS = ("_take", "_reduce", "_complete")
-POOL = "a buffer is reused only once its reduce-scatter is done"   # (and _reduce returns a handle)
+POOL = "buffers: padded, and reused only once their reduce-scatter is done"   # (and _reduce returns a handle)
 
 
-class ZeRO2Lab(ZeRO2):
+class ZeRO2Lab(WrongDtypeStops, ZeRO2):
     """zl.ZeRO(stage=2) with three seams left to write. What you can use:
 
     self.buckets.buckets[b]   bucket b: .offsets[i], .sizes[i] (where its i-th parameter sits in the
@@ -76,6 +78,26 @@ class ZeRO2Lab(ZeRO2):
         return buf
 
 
+def check_padded(engine, entry, out, inp) -> None:
+    """The grader's instrument on every collective the engine issues (GradedLedger.on_issue): a
+    bucket's reduce-scatter must take the bucket's PADDED buffer, whose slice r is rank r's."""
+    if entry.op != "reduce_scatter" or inp is None or not entry.tag.startswith("bucket"):
+        return
+    b = int(entry.tag[len("bucket"):])
+    bucket = engine.buckets.buckets[b]
+    if inp.numel() != bucket.padded_numel:
+        pad, size = bucket.padded_numel - bucket.numel, bucket.padded_numel // engine.world_size
+        real = " (its real elements, without the padding)" if inp.numel() == bucket.numel else ""
+        raise Stop(POOL, "unpadded_buffer",
+                   f"bucket {b}'s reduce-scatter was issued {where(engine.graded._graded_code)} on "
+                   f"{inp.numel()} elements{real}, into an output of {out.numel()}; the bucket has {bucket.numel} "
+                   f"real elements padded to {bucket.padded_numel} ({pad} of padding) so that N = "
+                   f"{engine.world_size} divides it: rank r's slice is [r * {size}, (r + 1) * {size}) of the padded "
+                   "buffer.",
+                   "cut the pool's buffer to the bucket's padded size, self._buffer(b)[:padded_numel] (the buffer "
+                   "may be longer: it serves the largest bucket), and make the output padded_numel // N long.")
+
+
 for _name in SEAMS:
     setattr(ZeRO2Lab, _name, stub("lab 5", "ZeRO2Lab", _name))
 
@@ -89,7 +111,8 @@ def measure(plugin) -> dict:
     model = build()
     names = {id(p): name for name, p in model.named_parameters()}
     engine = plugin["engine"](model, OPTIMIZER, bucket_mb=BUCKET_MB)
-    instrument(engine, GradedCode(LAB, plugin))
+    graded = instrument(engine, GradedCode(LAB, plugin))
+    graded.on_issue = lambda entry, out, inp: check_padded(engine, entry, out, inp)
     engine.grad_trace = []      # gradient bytes held, sampled at every hook and at the end of backward
     buckets = engine.buckets.buckets
 
@@ -127,12 +150,18 @@ def parity(ranks) -> str:
 
 def accumulation(ranks) -> str:
     for d in ranks:
-        low = [b for b, dtype in enumerate(d["accumulated"]) if dtype != "float32"]
-        if low:
-            raise Wrong("accumulated_low", f"in bf16, after two micro-batches rank {d['rank']}'s gradient "
-                        f"slice of bucket {low[0]} is {d['accumulated'][low[0]]}: the second micro-batch was "
-                        "added in bf16, whose 8 significant bits lose a small gradient added to a large one.",
-                        "at the second micro-batch, promote the slice to fp32 (self._acc32[b] = "
+        wrong = [b for b, dtype in enumerate(d["accumulated"]) if dtype != "float32"]
+        if wrong:
+            b, dtype = wrong[0], d["accumulated"][wrong[0]]
+            head = f"in bf16, after two micro-batches rank {d['rank']}'s gradient slice of bucket {b} is {dtype}"
+            if dtype == "float64":
+                raise Wrong("accumulated_fp64", f"{head}, where the chapter accumulates in float32: 8 bytes an "
+                            "element instead of 4, for digits the fp32 optimizer step never reads.",
+                            "at the second micro-batch, promote the slice to fp32 (self._acc32[b] = "
+                            "self.grad_shards[b].float()), not fp64, and add every later one to it.")
+            raise Wrong("accumulated_low", f"{head}: the second micro-batch was added in {dtype}, whose "
+                        f"{8 if dtype == 'bfloat16' else 11} significant bits lose a small gradient added to a "
+                        "large one.", "at the second micro-batch, promote the slice to fp32 (self._acc32[b] = "
                         "self.grad_shards[b].float()) and add every later one to it.")
     return "in bf16, two micro-batches leave every owned gradient slice in fp32"
 
@@ -191,8 +220,9 @@ LAB = Lab(
     name="zero2", number=5, title="ZeRO-2", chapter="chapter 7, ZeRO-2",
     stub_file="lab5_zero2.py", world_size=2,
     roles={"engine": ZeRO2Lab}, reference={"engine": ReferenceZeRO2}, measure=measure,
-    checks=(Check(POOL, None, 'chapter 7, "The idea" (step 3)', "no buffer handed out while still in flight"),
-            Check("parity with one process on the global batch", parity, 'chapter 7, "The idea"'),
+    checks=(Check(POOL, None, 'chapter 7, "The idea" (step 3)',
+                  "every bucket reduce-scattered from its padded buffer, none handed out while still in flight"),
+            Check(PARITY, parity, 'chapter 7, "The idea"'),
             Check("micro-batches accumulate in fp32", accumulation, 'chapter 7, "The code path" (_complete)'),
             Check("bytes per step: 2 Psi, as ZeRO-1", bytes_per_step, 'chapter 7, "The idea"'),
             Check("memory: 4 Psi / N of gradients, plus 2 C_B during backward", memory,
@@ -200,4 +230,11 @@ LAB = Lab(
             Check("overlap: backward computes while buckets are reduce-scattered", overlap,
                   'chapter 7, "The idea" (step 2)')),
     mistakes_module="zerolab.labs.zero2_mistakes",
+    blame={**dict.fromkeys(("not_divided", "divided_twice", "all_reduce", "bytes", "unpadded_buffer", "not_async",
+                            "not_the_ledger", "blocking_reduce"), ("_reduce",)),
+           **dict.fromkeys(("lost_micro_batch", "added_to_local", "not_reduced", "divided_not_reduced"),
+                           ("_reduce", "_complete")),
+           **dict.fromkeys(("accumulated_low", "accumulated_fp64", "grad_dtype", "pool_kept",
+                            "buffer_reused_in_flight"), ("_complete",)),
+           "full_gradient_held": ("_take",), "weights": ("_complete",)},
 )

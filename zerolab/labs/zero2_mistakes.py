@@ -50,6 +50,32 @@ class AccumulatesInBf16(ReferenceZeRO2):
             self._release_pool()
 
 
+class AccumulatesInFp64(ReferenceZeRO2):
+    def _complete(self, b):
+        if b in self._out:
+            more = self._out.pop(b)
+            if self._acc32[b] is None:
+                self._acc32[b] = self.grad_shards[b].double()    # (fp64 "for precision", fp32 slices too)
+            self._acc32[b].add_(more)
+        self._filled[b] = True
+        self._free.append(self._buffer_of.pop(b))
+        if not self._pending and self._next == len(self.buckets.buckets):
+            self._release_pool()
+
+
+class UnpaddedBuffer(ReferenceZeRO2):
+    def _reduce(self, b):
+        bucket = self.buckets.buckets[b]
+        flat = self._buffer(b)[:bucket.numel]      # (the real size: the padding left out)
+        flat.div_(self.world_size)
+        out = torch.empty(bucket.numel // self.world_size, dtype=flat.dtype)
+        if self._filled[b]:
+            self._out[b] = out
+        else:
+            self.grad_shards[b] = out
+        return self.comm.reduce_scatter(out, flat, async_op=True, tag=f"bucket{b}")
+
+
 class OverwritesSlice(ReferenceZeRO2):
     def _reduce(self, b):
         flat = self._buffer(b)[:self.buckets.buckets[b].padded_numel]
@@ -126,6 +152,9 @@ MISTAKES = (
        GivesBufferBackEarly, "buffer_reused_in_flight"),
     _m("accumulates_in_bf16", "added the second micro-batch in the slice's own dtype", AccumulatesInBf16,
        "accumulated_low"),
+    _m("accumulates_in_fp64", "accumulated the second micro-batch in fp64", AccumulatesInFp64, "grad_dtype"),
+    _m("unpadded_buffer", "reduce-scattered the bucket's real elements, without its padding", UnpaddedBuffer,
+       "unpadded_buffer"),
     _m("overwrites_slice", "reduce-scattered every micro-batch into the owned slice itself",
        OverwritesSlice, "lost_micro_batch"),
     _m("all_reduces", "all-reduced each bucket and kept the owned slice", AllReduces, "all_reduce"),

@@ -15,7 +15,8 @@ UnitLab and ZeRO3Lab are the library's classes with those left to write. The gra
 (zerolab.labs.overlap) note every collective a unit issues, when, and where it is waited for, and
 every time the engine starts using a unit; they stop the run the moment the lifecycle breaks: a unit
 used before its all-gather has finished, or with its parameters still released or without memory, a
-gather into a freed buffer, a buffer freed under a gather in flight, or freed memory left readable.
+gather into a freed buffer, a buffer freed under a gather in flight, or freed memory left readable;
+and the moment a reduce-scatter's sizes leave out the padding, or a gradient shard is not fp32.
 After the run the grader asks the graded _prefetch_after what it would gather in backward when a
 unit ahead had already finished its backward (a model whose backward runs out of the forward's
 order does that), and releases what it gathered, as before a step: a prefetch nobody used.
@@ -31,8 +32,8 @@ from ..engines.zero3 import units as library_units
 from ..engines.zero3.units import Unit
 from ..engines.zero3 import ZeRO3
 from ..engines.zero3.schedule import UnitSchedule
-from .checks import Piece, adam_state_bytes, check_collectives, check_parity, fmt_bytes, per_step
-from .engine_run import instrument, moved, record_run, stub
+from .checks import PARITY, Piece, adam_state_bytes, check_collectives, check_parity, fmt_bytes, per_step
+from .engine_run import WrongDtypeStops, instrument, moved, record_run, stub
 from .lab import Check, Lab, Stop, Wrong
 from .model import OPTIMIZER, SCHEDULE, build
 from .overlap import blocked, defined_at, overlapped, where
@@ -42,6 +43,7 @@ UNIT_SEAMS = ("gather", "wait", "release", "reduce_scatter", "finish_reduce")
 ENGINE_SEAMS = ("_prefetch_after",)
 LIFECYCLE = "a unit is used only once gathered, and freed only once its gather is done"
 PREFETCH_SECTION = 'chapter 8, "Prefetch: hide the gathers behind compute"'
+BYTES = "bytes per step: 3 Psi"
 
 _RUN = {"in_flight": {}, "graded": None}   # the run in progress: data pointer -> its all-gather's Entry
 
@@ -118,7 +120,7 @@ class UnitLab(Unit):
     """
 
 
-class ZeRO3Lab(ZeRO3):
+class ZeRO3Lab(WrongDtypeStops, ZeRO3):
     """zl.ZeRO(stage=3) with _prefetch_after left to write, and its units made of `unit_class`.
     What you can use in it: self.prefetch (how many units to gather ahead: 1 here), and each
     unit's .gather(phase) and .reduced (True once its backward is done in this step)."""
@@ -126,6 +128,9 @@ class ZeRO3Lab(ZeRO3):
     unit_class = UnitLab
 
     # -------------------------------------------------------------- the grader's instruments
+    def _grad_label(self, i: int) -> str:
+        return f"unit {self._trained()[i].name} (rank {self.rank}'s shard)"
+
     def watch(self, graded) -> None:
         """Give each unit its view of the graded ledger, and check every unit's release."""
         self.trace = []             # ("gather" | "use", unit name, phase), in order
@@ -135,7 +140,9 @@ class ZeRO3Lab(ZeRO3):
             u.comm = graded.for_owner(u.name)
             u.release = _checked_release(u, u.release)
 
-    def _issued(self, entry, out):
+    def _issued(self, entry, out, inp=None):
+        if entry.op == "reduce_scatter":
+            self._check_padded(entry, out, inp)
         if entry.op != "all_gather":
             return
         if out is not None and not _allocated(out):
@@ -147,6 +154,23 @@ class ZeRO3Lab(ZeRO3):
             self.trace.append(("gather", entry.owner, "backward" if self._in_backward else "forward"))
         if out is not None:
             _RUN["in_flight"][out.untyped_storage().data_ptr()] = entry
+
+    def _check_padded(self, entry, out, inp) -> None:
+        """A unit's reduce-scatter takes its padded gradient and gives this rank padded_numel / N."""
+        unit = next((u for u in self.units if u.name == entry.owner and "train" in u.buckets), None)
+        if unit is None or out is None or inp is None:
+            return
+        b, n = unit.buckets["train"], self.world_size
+        if (inp.numel(), out.numel()) != (b.padded_numel, b.padded_numel // n):
+            raise Stop(BYTES, "unpadded_shard",
+                       f"unit {unit.name}'s reduce-scatter was issued {where(self.graded._graded_code)} from "
+                       f"{inp.numel()} elements into a shard of {out.numel()}; the unit has {b.numel} real elements, "
+                       f"padded to {b.padded_numel} ({b.padded_numel - b.numel} of padding) so that N = {n} divides "
+                       f"it: its gradient is {b.padded_numel} elements and each rank's shard padded_numel / N = "
+                       f"{b.padded_numel // n}" + (f", not numel // N = {b.numel // n}" if out.numel() == b.numel // n
+                                                   else "") + ".",
+                       "size the output from the PADDED length: self.buckets[\"train\"].padded_numel // N, as the "
+                       "shard the all-gather sends.")
 
     def _use(self, u, phase):
         at = self.graded.clock.count
@@ -436,10 +460,20 @@ LAB = Lab(
     measure=measure,
     checks=(Check(LIFECYCLE, None, 'chapter 8, "The idea" and "The lifecycle, from a real trace"',
                   "no unit used before its all-gather finished, none freed under a gather in flight"),
-            Check("parity with one process on the global batch", parity, 'chapter 8, "The idea"'),
-            Check("bytes per step: 3 Psi", bytes_per_step, 'chapter 8, "Bytes per step: 3 Psi against 2 Psi"'),
+            Check(PARITY, parity, 'chapter 8, "The idea"'),
+            Check(BYTES, bytes_per_step, 'chapter 8, "Bytes per step: 3 Psi against 2 Psi"'),
             Check("memory: (4 + 4 + K) Psi / N", memory, 'chapter 8, "Memory per rank against N_d"'),
             Check("prefetch: the next unit is gathered ahead", prefetch, PREFETCH_SECTION),
             Check("overlap: compute runs while units are gathered and reduced", overlap, PREFETCH_SECTION)),
     mistakes_module="zerolab.labs.zero3_mistakes",
+    blame={**dict.fromkeys(("not_divided", "divided_twice", "all_reduce", "bytes", "zeros", "unpadded_shard"),
+                           ("reduce_scatter",)),
+           **dict.fromkeys(("lost_micro_batch", "added_to_local", "not_reduced", "divided_not_reduced",
+                            "full_gradient_kept", "grad_dtype"), ("finish_reduce",)),
+           **dict.fromkeys(("parameters_kept", "released_in_flight", "release_not_marked"), ("release",)),
+           **dict.fromkeys(("used_before_gathered", "still_released"), ("wait",)),
+           **dict.fromkeys(("not_allocated", "gathered_elsewhere", "blocking_gather"), ("gather",)),
+           "blocking_reduce_scatter": ("reduce_scatter",), "weights": ("finish_reduce",),
+           **dict.fromkeys(("prefetch_too_far", "prefetch_wrong_unit", "no_prefetch", "stale_prefetch",
+                            "prefetch_not_past_done"), ("_prefetch_after",))},
 )

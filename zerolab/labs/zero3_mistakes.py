@@ -42,12 +42,32 @@ class NoDivide(ReferenceUnit):
         self._rs = (self.comm.reduce_scatter(out, self.grad_full, async_op=True, tag=f"reduce:{self.name}"), out)
 
 
+class ShardWithoutPadding(ReferenceUnit):
+    def reduce_scatter(self):
+        b = self.buckets["train"]
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(b.padded_numel, dtype=b.data.dtype)
+        else:
+            self.grad_full.div_(b.world_size)
+        out = torch.empty(b.numel // b.world_size, dtype=self.grad_full.dtype)     # (the real size's share)
+        self._rs = (self.comm.reduce_scatter(out, self.grad_full, async_op=True, tag=f"reduce:{self.name}"), out)
+
+
 class OverwritesShard(ReferenceUnit):
     def finish_reduce(self):
         handle, out = self._rs
         handle.wait()
         self._rs, self.grad_full = None, None
         self.grad_shard = out           # (a second micro-batch replaces the first)
+
+
+class ShardInFp64(ReferenceUnit):
+    def finish_reduce(self):
+        handle, out = self._rs
+        handle.wait()
+        self._rs, self.grad_full = None, None
+        out = out.double()              # (the shard kept in fp64 "for precision")
+        self.grad_shard = out if self.grad_shard is None else self.grad_shard + out
 
 
 class KeepsFullGradient(ReferenceUnit):
@@ -200,8 +220,11 @@ MISTAKES = (
     _engine("prefetches_itself", "prefetched the unit that was about to run anyway", PrefetchesItself,
             "no_prefetch"),
     _unit("no_divide", "reduce-scattered the gradient without dividing by N", NoDivide, "not_divided"),
+    _unit("shard_without_padding", "sized the gradient shard from the unit's real size, not its padded one",
+          ShardWithoutPadding, "unpadded_shard"),
     _unit("overwrites_shard", "kept the last micro-batch's gradient shard instead of adding to it",
           OverwritesShard, "lost_micro_batch"),
+    _unit("shard_in_fp64", "kept the reduced gradient shard in fp64", ShardInFp64, "grad_dtype"),
     _unit("keeps_full_gradient", "kept the full gradient after its reduce-scatter", KeepsFullGradient,
           "full_gradient_kept"),
     _unit("keeps_memory", "released a unit without freeing its memory", KeepsMemory, "parameters_kept"),
