@@ -6,8 +6,10 @@ and plot. One module per idea of a chapter:
 
     fp_plots, mixed_precision_demo   chapters 1 and 2: floating point, mixed precision
     reduction_dtype, scaler_rules    chapters 1 and 2: the dtype a collective adds in; three loss scalers
-    memory_demo, plots               chapter 3: where the memory goes (plots: shared bar charts)
+    memory_demo, memory_plots, plots   chapter 3: where the memory goes (plots: shared bar charts)
     dp_demo, timeline, cost_plots    chapters 4 and 5: collectives, data parallelism, the cost model's figures
+    collective_plots, ddp_plots, bucket_model   chapters 4 and 5: what moves where; buckets against backward
+    cost_checks, cost_check_plots    the appendix: the cost model against published measurements
     zero_demo, zero_plots            chapters 6 and 7: ZeRO-1 and ZeRO-2
     zero3_demo, zero3_plots, zero3_trace, zero3_cost   chapter 8: ZeRO-3, its traces, and when its traffic hides
     zero_r_demo, zero_r_plots        chapter 9: ZeRO-R
