@@ -130,3 +130,94 @@ def choice_figure(rows, device_gb, title):
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+# ------------------------------------------------------------------ GPU results (gpu/results/, no GPU needed)
+
+
+def _engine_label(name: str, clipped: bool) -> str:
+    from .gpu_results import precision
+    return f"{name}{' (clip 1.0)' if clipped else ''}\n{precision(name)}"
+
+
+def gpu_bench_figure(reps):
+    """Chapter 10's GPU bench, from the committed repetitions (gpu/results/bench.json, bench_rep2.json): MFU per
+    engine and repetition at world 1 (the book's count: no embedding lookups), memory at world 1 against the
+    formula, and per-rank memory at world 2. DeepSpeed's rows that ran with its default clipping are hatched."""
+    from . import gpu_results as gr
+    m = reps[0]["machine"]
+    w1 = [[r for r in rep["runs"]["world1"]["rows"] if r["ran"]] for rep in reps]
+    names = [r["engine"] for r in w1[0]]
+    clip = {n: any(gr.clipped(n, rep) for rep in reps) for n in names}
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 5.2))
+    width = 0.8 / len(reps)
+    for i, rows in enumerate(w1):
+        by = {r["engine"]: r for r in rows}
+        a.barh([j + i * width for j in range(len(names))], [100 * gr.mfu(by[n], reps[i]) for n in names], height=width,
+               color=["#4C72B0", "#DD8452"][i], hatch=["//" if clip[n] else "" for n in names],
+               label=f"repetition {i + 1} (machine start {i + 1})")
+    a.set_yticks([j + width * (len(reps) - 1) / 2 for j in range(len(names))],
+                 [_engine_label(n, clip[n]) for n in names], fontsize=6.5)
+    a.invert_yaxis()
+    a.set_xlabel("MFU (%): model FLOPs/s over the datasheet's 989 TFLOP/s", fontsize=8)
+    a.set_title(f"speed, world 1 (NCCL), {w1[0][0]['psi'] / 1e6:.0f} M GPT\n(hatched: DeepSpeed clipping to 1.0)",
+                fontsize=9)
+    a.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1)
+    rows = w1[0]
+    mem = gr.world1_memory(reps[0])      # measured, or re-derived where the level moved (hatched)
+    hatch = ["//" if mem[r["engine"]][2] else "" for r in rows]
+    b.barh(range(len(rows)), [mem[r["engine"]][1] / 1e9 for r in rows], color="tab:blue", hatch=hatch,
+           label="peak allocated")
+    b.barh(range(len(rows)), [mem[r["engine"]][0] / 1e9 for r in rows], color="tab:green", hatch=hatch,
+           label="held (hatched: re-derived)")
+    b.scatter([r["formula_model_state_bytes"] / 1e9 for r in rows], range(len(rows)), color="k", marker="|", s=200,
+              label="formula (model states)", zorder=3)
+    b.set_yticks(range(len(rows)), [r["engine"] for r in rows], fontsize=7)
+    b.invert_yaxis()
+    b.set_xlabel("GB on the GPU", fontsize=8)
+    b.set_title("memory, world 1, repetition 1", fontsize=9)
+    b.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1)
+    w2 = [r for r in reps[0]["runs"]["world2"]["rows"] if r["ran"]]
+    c.barh(range(len(w2)), [r["peak_bytes"] / 1e9 for r in w2], color="tab:blue", label="peak allocated / rank")
+    c.barh(range(len(w2)), [r["held_bytes"] / 1e9 for r in w2], color="tab:green", label="held / rank")
+    c.scatter([r["formula_model_state_bytes"] / 1e9 for r in w2], range(len(w2)), color="k", marker="|", s=200,
+              label="formula / rank", zorder=3)
+    c.set_yticks(range(len(w2)), [r["engine"] for r in w2], fontsize=7)
+    c.invert_yaxis()
+    c.set_xlabel("GB per rank", fontsize=8)
+    c.set_title(f"memory per rank, world 2 (gloo), {w2[0]['psi'] / 1e6:.0f} M GPT", fontsize=9)
+    c.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1)
+    for ax in (a, b, c):
+        ax.tick_params(axis="x", labelsize=7)
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(f"Measured on a GPU: {m['device']}, {m['date']}, torch {m['torch']}, CUDA {m['cuda']}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def fastpath_figure(runs, machine):
+    """Chapter 11's H200 start (zerolab.book.gpu_results_ch11_13.h200_runs): each engine's median step, eager and
+    compiled, one marker per repetition; DeepSpeed's rows (clipping to 1.0) are labelled so."""
+    from . import gpu_results as gr
+    names = list(runs["eager", 1])
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    styles = {("eager", 1): ("o", "#4C72B0"), ("eager", 2): ("o", "#A1C9F4"),
+              ("compiled", 1): ("^", "#DD8452"), ("compiled", 2): ("^", "#FFB482")}
+    for (mode, rep), (marker, color) in styles.items():
+        pts = [(runs[mode, rep][n]["step_ms"], j) for j, n in enumerate(names) if n in runs[mode, rep]]
+        ax.scatter([p[0] for p in pts], [p[1] + (0.15 if mode == "compiled" else -0.15) for p in pts], marker=marker,
+                   s=55, color=color, edgecolor="black", linewidth=0.5, label=f"{mode}, repetition {rep}", zorder=3)
+    ax.set_yticks(range(len(names)), [f"{n}{' (clip 1.0)' if gr.clipped(n, {}) else ''}" for n in names], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ticks = [t for t in (50, 60, 80, 100, 150, 200, 300, 400) if t <= 1.1 * max(
+        r["step_ms"] for rows in runs.values() for r in rows.values())]
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("median step time (ms, log scale): less is faster", fontsize=9)
+    ax.set_title(f"Each side's fast path, world 1, the 406 M GPT: {machine['device']}, one machine start "
+                 f"({machine['date']})", fontsize=10)
+    ax.grid(axis="x", alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    return fig
