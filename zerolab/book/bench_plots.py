@@ -221,3 +221,57 @@ def fastpath_figure(runs, machine):
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     return fig
+
+
+def activation_figure(rows, device_gb):
+    """Stacked bars of GB per device: model states and activations for each (label, states_gb, activations_gb),
+    with the device's memory as a line (chapter 10: the paper's activation estimate, zerolab.theory.calculator)."""
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    y = list(range(len(rows)))
+    states = [r[1] for r in rows]
+    acts = [r[2] for r in rows]
+    ax.barh(y, states, color="#4C72B0", label="model states")
+    ax.barh(y, acts, left=states, color="#C44E52", label="activations")
+    for j, (s, a) in enumerate(zip(states, acts)):
+        ax.text(s + a, j, f" {s + a:.1f} GB", va="center", fontsize=8)
+    ax.axvline(device_gb, color="black", ls="--", lw=1)
+    ax.text(device_gb, len(rows) - 0.6, f" {device_gb:g} GB device", fontsize=8, va="center")
+    ax.set_yticks(y, [r[0] for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.25 * max(max(s + a for s, a in zip(states, acts)), device_gb))
+    ax.set_xlabel("GB per device (calculator: model states + the paper's activation estimate)")
+    ax.set_title("Activations, not model states, decide whether it fits", fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+ROOF_COLORS = {"matmul": "#4C72B0", "attention": "#8172B3", "memory": "#C44E52", "optimizer": "#DD8452"}
+
+
+def roofline_figure(steps):
+    """One stacked bar per step (label, zerolab.theory.roofline.step_time's dict, MFU bound): each kind of
+    operation's share of the step's time at its roofs, with the step's ms and the bound written beside it."""
+    from ..theory.roofline import KINDS
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.9 * len(steps)))
+    for j, (label, t, bound) in enumerate(steps):
+        left = 0.0
+        for kind in KINDS:
+            share = 100 * t[kind] / t["total"]
+            ax.barh(j, share, left=left, color=ROOF_COLORS[kind], label=kind if j == 0 else None)
+            if share > 6:
+                ax.text(left + share / 2, j, f"{share:.0f}%", ha="center", va="center", fontsize=8, color="white")
+            left += share
+        ax.text(101, j, f"{1e3 * t['total']:.0f} ms at the roofs\nMFU at most {100 * bound:.0f}%", va="center",
+                fontsize=8)
+    ax.set_yticks(range(len(steps)), [s[0] for s in steps], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 130)
+    ax.set_xticks(range(0, 101, 20))
+    ax.set_xlabel("share of the step's time at the roofs (%)")
+    ax.set_title("Where a step's time goes on an H100's roofline (red: memory-bound)", fontsize=10)
+    ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.4, -0.35 if len(steps) < 3 else -0.2),
+              frameon=False)
+    fig.tight_layout()
+    return fig
