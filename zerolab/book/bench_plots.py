@@ -215,7 +215,7 @@ def fastpath_figure(runs, machine):
     ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("median step time (ms, log scale): less is faster", fontsize=9)
-    ax.set_title(f"Each side's fast path, world 1, the 406 M GPT: {machine['device']}, one machine start "
+    ax.set_title(f"Each side's fast path, world 1, chapter 10's GPT: {machine['device']}, one machine start "
                  f"({machine['date']})", fontsize=10)
     ax.grid(axis="x", alpha=0.3, which="both")
     ax.legend(fontsize=8, loc="upper right")

@@ -133,9 +133,9 @@ PRECISION_NOTE = ("Precision, as each project's users run bf16: zerolab and Deep
 CLIP_NOTE = (f"{CLIP_MARK} Measured with DeepSpeed's default gradient clipping to a norm of 1.0, which no other row "
              "does: each step scaled every gradient by the clip factor (in stages 1 and 2 a pass over the "
              "gradients DeepSpeed skips without clipping; the norm itself is computed either way), and the clipped "
-             "updates train another trajectory than the other rows'. The bench now sets "
-             "`\"gradient_clipping\": 0.0` (chapter 10's CPU run is with it); these rows wait for a GPU to be "
-             "measured again.")
+             "updates train another trajectory than the other rows'. `zerolab.bench.deepspeed_config`, which the GPU "
+             "scripts use too, now sets `\"gradient_clipping\": 0.0` (chapter 10's CPU bench runs with it); these rows "
+             "wait for a GPU to be measured again.")
 
 
 # Rows of the committed bench files whose memory was measured against a level that moved during their run
@@ -411,7 +411,9 @@ def facts(chapter: int, results: str | None = None) -> dict:
         return {"psi": b1["runs"]["world1"]["rows"][0]["psi"], "largest_move": max(moves)}
     if chapter == 11:
         runs = later.h200_runs(os.path.join(results or RESULTS, later.H200_RUN))
-        return {"runs": runs, "stages": later.stage_ratios(runs), "compile": later.compile_effect(runs)}
+        meta = load(later.H200_JSON, os.path.join(results or RESULTS, later.H200_RUN))
+        return {"runs": runs, "stages": later.stage_ratios(runs), "compile": later.compile_effect(runs),
+                "machine": meta["machine"]}
     raise ValueError(f"no GPU facts for chapter {chapter!r}; chapters with some: 8, 10, 11")
 
 
