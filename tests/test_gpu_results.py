@@ -13,6 +13,8 @@ import re
 import pytest
 
 import zerolab.book.gpu_results as gr
+import zerolab.book.gpu_results_ch11_13 as ch11
+from zerolab.book import mfu
 
 RESULTS = gr.RESULTS
 pytestmark = pytest.mark.skipif(bool(gr.missing()), reason="no GPU results in this checkout")
@@ -97,9 +99,11 @@ def test_bench_rows_are_physical(name):
             assert 0 < r["held_bytes"] < r["peak_bytes"] < 80e9
             if run == "world1":
                 assert 0 < gr.mfu(r, b) < peak / 989e12       # no engine passes the measured matmul rate
-                # the FLOPs behind MFU, recomputed from the step time: 6 Psi per token at least
+                # the FLOPs behind MFU, from the step time: 6 per parameter outside the embeddings, and attention
                 tokens = b["runs"][run]["tokens_per_step"]
-                assert gr.mfu(r, b) * 989e12 >= 6 * r["psi"] * tokens / (r["step_ms"] / 1e3) * 0.999
+                cfg = b["runs"][run]["config"]
+                assert r["tokens_per_s"] == pytest.approx(tokens / (r["step_ms"] / 1e3))
+                assert gr.mfu(r, b) * 989e12 >= 6 * (r["psi"] - mfu.embedding_params(cfg)) * r["tokens_per_s"]
                 assert r["step_ms_min"] <= r["step_ms"] <= r["step_ms_max"]
 
 
@@ -203,18 +207,94 @@ def test_buckets_and_overlap_and_prefetch_act_as_the_chapters_say():
     assert ov["prefetch"]["world1"]["gather_wait_ms"]["0"] < 1.0      # NCCL at world 1: nothing to wait for
 
 
-def test_mfu_is_counted_against_the_datasheet_peak():
-    # one definition of MFU in the book: model FLOPs per second over the datasheet peak, as
-    # zerolab.theory.cost_model counts it; the box's own ratio (over its measured matmul rate) is larger
-    from zerolab.theory import cost_model as cm
-    from zerolab.book import gpu_results as gr
+def test_mfu_counts_six_flops_per_parameter_outside_the_embedding_lookups():
+    # one definition of MFU in the book (zerolab.book.mfu): the model's FLOPs per token, 6 per parameter that a
+    # matrix product multiplies (not the token and position tables, which are looked up) plus PaLM's attention
+    # term 12 L T d, times tokens/s, over the datasheet's 989 TFLOP/s
     b = load("bench.json")
-    row = b["runs"]["world1"]["rows"][0]
-    assert gr.mfu(row, b) == pytest.approx(row["mfu"] * b["matmul_peak"]["flops"] / cm.H100_PEAK_FLOPS)
-    assert gr.mfu(row, b) < row["mfu"]
-    assert "datasheet bf16 peak" in gr._chapter10(None)
+    cfg = b["runs"]["world1"]["config"]
+    psi = b["runs"]["world1"]["rows"][0]["psi"]
+    V, T, d, L = cfg["vocab_size"], cfg["block_size"], cfg["n_embd"], cfg["n_layer"]
+    assert not cfg["tie_weights"]                                   # the head multiplies: it counts
+    assert mfu.embedding_params(cfg) == V * d + T * d == 52_559_872
+    assert mfu.flops_per_token(cfg, psi) == 6 * (psi - V * d - T * d) + 12 * L * T * d == 2_424_926_208
+    assert 6 * psi + 12 * L * T * d == 2_740_285_440                 # the count with the lookups, 13% more
+    # the same count for a tied model keeps the table once (it is the head's matrix)
+    assert mfu.embedding_params({**cfg, "tie_weights": True}) == T * d
+    # the tables: zl.DDP at 29.1% and 29.9% in the two repetitions, and every row is tokens/s x that count / peak
+    for name, want in (("bench.json", 0.291), ("bench_rep2.json", 0.299)):
+        bench = load(name)
+        rows = {r["engine"]: r for r in bench["runs"]["world1"]["rows"]}
+        assert round(gr.mfu(rows["zl.DDP"], bench), 3) == want
+        for r in rows.values():
+            assert gr.mfu(r, bench) == pytest.approx(r["tokens_per_s"] * 2_424_926_208 / 989e12)
+            # what the run recorded (the same FLOPs over its measured matmul rate, lookups included) differs only
+            # by the two conventions: the peak it divided by, and the 6 FLOPs per looked-up parameter
+            recorded = r["mfu"] * bench["matmul_peak"]["flops"] / 989e12
+            assert gr.mfu(r, bench) == pytest.approx(recorded * 2_424_926_208 / 2_740_285_440, rel=1e-9)
+    assert "datasheet bf16 peak" in gr._chapter10(None) and "2.425 GFLOP per token" in gr._chapter10(None)
+    assert "29.1% / 29.9%" in gr.markdown(10) and "29.1% / 29.9%" in gr.markdown(5)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_roofline_counts_the_same_flops_as_mfu_but_the_biases_and_layernorms(tied):
+    # the roofline (zerolab.theory.roofline.count_step, chapter 10) counts every matrix product and attention
+    # op by op; MFU's closed form is that count plus 6 FLOPs per token for each 1-D parameter (biases, LayerNorm),
+    # which no matrix product multiplies but both papers keep in N
+    from functools import partial
+    import torch
+    from zerolab.models import GPT, GPTConfig, gpt_loss
+    from zerolab.theory import roofline as rl
+    cfg = GPTConfig(vocab_size=96, block_size=32, n_layer=2, n_head=4, n_embd=64, tie_weights=tied)
+    rows = 3
+    with torch.device("meta"):
+        model = GPT(cfg).to(torch.bfloat16)
+        x = torch.randint(0, 96, (rows, 32))
+    c = rl.count_step(model, lambda m, b: gpt_loss(m, b)[1], (x, x), partial(torch.optim.AdamW, foreach=True))
+    psi = sum(p.numel() for p in model.parameters())
+    assert mfu.embedding_params(cfg) == model.pos_emb.weight.numel() + (0 if tied else model.tok_emb.weight.numel())
+    one_d = sum(p.numel() for p in model.parameters() if p.dim() == 1)
+    assert c.total("matmul") + c.total("attention") == (mfu.flops_per_token(cfg, psi) - 6 * one_d) * rows * 32
+
+
+def test_gpu_rows_say_their_precision_and_deepspeeds_clipping():
+    # PyTorch DDP ran autocast over fp32 parameters; every committed DeepSpeed row ran with its default clipping
+    for chapter in (5, 10, 11):
+        text = gr.markdown(chapter)
+        assert "| PyTorch DDP | fp32 weights, autocast bf16 |" in text
+        for line in (x for x in text.splitlines() if x.count("|") > 8):      # the bench's and the fast path's rows
+            if line.startswith("| zl."):
+                assert "| bf16 weights, fp32 master |" in line
+            if line.startswith("| DeepSpeed"):
+                assert line.split(" | ")[0].endswith(gr.CLIP_MARK), line
+        assert (gr.CLIP_NOTE in text) == (chapter != 5)
+    assert gr.clipped("DeepSpeed ZeRO-1", {}) and not gr.clipped("DeepSpeed ZeRO-1", {"deepspeed_gradient_clipping": 0.0})
+    assert not gr.clipped("zl.ZeRO-1", {})
+
+
+def test_chapter_11_compares_engines_of_one_machine_start_in_both_repetitions():
+    folder = os.path.join(RESULTS, ch11.H200_RUN)
+    runs = ch11.h200_runs(folder)
+    assert set(runs) == {(m, k) for m in ch11.MODES for k in ch11.REPS}
+    assert all(len(runs["eager", k]) == 10 and len(runs["compiled", k]) == 7 for k in ch11.REPS)
+    # the logs' medians are the JSON's, for the one run whose JSON came back
+    js = {r["engine"].removesuffix(" compiled"): r for r in json.load(open(os.path.join(folder, ch11.H200_JSON)))["rows"]}
+    for name, r in runs["compiled", 1].items():
+        assert r["step_ms"] == pytest.approx(js[name]["step_ms"], abs=0.05)
+        assert r["tokens_per_s"] == pytest.approx(js[name]["tokens_per_s"], abs=0.5)
+        assert r["first_s"] == pytest.approx(js[name]["warmup_s"][0], abs=0.05)
+    for rows in runs.values():                       # tokens per second is the step's 8,192 tokens over its time
+        for r in rows.values():
+            assert r["tokens_per_s"] == pytest.approx(8192 / (r["step_ms"] / 1e3), rel=1e-3)
+    stages = ch11.stage_ratios(runs)
+    for s in stages:
+        if s["peer"]:
+            assert [round(x, 2) for x in s["ratios"]] == [round(p / z, 2) for z, p in zip(s["zerolab_ms"], s["peer_ms"])]
+            assert s["verdict"] == ("ahead" if min(s["ratios"]) > 1 else "behind" if max(s["ratios"]) < 1 else "tie")
+    zero1 = next(s for s in stages if s["stage"] == "ZeRO-1" and s["mode"] == "eager")
+    assert zero1["peer"] == "DeepSpeed ZeRO-1" and [round(x, 2) for x in zero1["ratios"]] == [2.08, 2.11]
+    text = gr.markdown(11)
+    assert "NVIDIA H200" in text.splitlines()[0] and "machine start" in text and "second machine start" not in text
 # ------------------------------------------------------------------ FSDP2's memory, re-derived
 
 

@@ -130,3 +130,148 @@ def choice_figure(rows, device_gb, title):
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+# ------------------------------------------------------------------ GPU results (gpu/results/, no GPU needed)
+
+
+def _engine_label(name: str, clipped: bool) -> str:
+    from .gpu_results import precision
+    return f"{name}{' (clip 1.0)' if clipped else ''}\n{precision(name)}"
+
+
+def gpu_bench_figure(reps):
+    """Chapter 10's GPU bench, from the committed repetitions (gpu/results/bench.json, bench_rep2.json): MFU per
+    engine and repetition at world 1 (the book's count: no embedding lookups), memory at world 1 against the
+    formula, and per-rank memory at world 2. DeepSpeed's rows that ran with its default clipping are hatched."""
+    from . import gpu_results as gr
+    m = reps[0]["machine"]
+    w1 = [[r for r in rep["runs"]["world1"]["rows"] if r["ran"]] for rep in reps]
+    names = [r["engine"] for r in w1[0]]
+    clip = {n: any(gr.clipped(n, rep) for rep in reps) for n in names}
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 5.2))
+    width = 0.8 / len(reps)
+    for i, rows in enumerate(w1):
+        by = {r["engine"]: r for r in rows}
+        a.barh([j + i * width for j in range(len(names))], [100 * gr.mfu(by[n], reps[i]) for n in names], height=width,
+               color=["#4C72B0", "#DD8452"][i], hatch=["//" if clip[n] else "" for n in names],
+               label=f"repetition {i + 1} (machine start {i + 1})")
+    a.set_yticks([j + width * (len(reps) - 1) / 2 for j in range(len(names))],
+                 [_engine_label(n, clip[n]) for n in names], fontsize=6.5)
+    a.invert_yaxis()
+    a.set_xlabel("MFU (%): model FLOPs/s over the datasheet's 989 TFLOP/s", fontsize=8)
+    a.set_title(f"speed, world 1 (NCCL), {w1[0][0]['psi'] / 1e6:.0f} M GPT\n(hatched: DeepSpeed clipping to 1.0)",
+                fontsize=9)
+    a.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1)
+    rows = w1[0]
+    mem = gr.world1_memory(reps[0])      # measured, or re-derived where the level moved (hatched)
+    hatch = ["//" if mem[r["engine"]][2] else "" for r in rows]
+    b.barh(range(len(rows)), [mem[r["engine"]][1] / 1e9 for r in rows], color="tab:blue", hatch=hatch,
+           label="peak allocated")
+    b.barh(range(len(rows)), [mem[r["engine"]][0] / 1e9 for r in rows], color="tab:green", hatch=hatch,
+           label="held (hatched: re-derived)")
+    b.scatter([r["formula_model_state_bytes"] / 1e9 for r in rows], range(len(rows)), color="k", marker="|", s=200,
+              label="formula (model states)", zorder=3)
+    b.set_yticks(range(len(rows)), [r["engine"] for r in rows], fontsize=7)
+    b.invert_yaxis()
+    b.set_xlabel("GB on the GPU", fontsize=8)
+    b.set_title("memory, world 1, repetition 1", fontsize=9)
+    b.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1)
+    w2 = [r for r in reps[0]["runs"]["world2"]["rows"] if r["ran"]]
+    c.barh(range(len(w2)), [r["peak_bytes"] / 1e9 for r in w2], color="tab:blue", label="peak allocated / rank")
+    c.barh(range(len(w2)), [r["held_bytes"] / 1e9 for r in w2], color="tab:green", label="held / rank")
+    c.scatter([r["formula_model_state_bytes"] / 1e9 for r in w2], range(len(w2)), color="k", marker="|", s=200,
+              label="formula / rank", zorder=3)
+    c.set_yticks(range(len(w2)), [r["engine"] for r in w2], fontsize=7)
+    c.invert_yaxis()
+    c.set_xlabel("GB per rank", fontsize=8)
+    c.set_title(f"memory per rank, world 2 (gloo), {w2[0]['psi'] / 1e6:.0f} M GPT", fontsize=9)
+    c.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1)
+    for ax in (a, b, c):
+        ax.tick_params(axis="x", labelsize=7)
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(f"Measured on a GPU: {m['device']}, {m['date']}, torch {m['torch']}, CUDA {m['cuda']}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def fastpath_figure(runs, machine):
+    """Chapter 11's H200 start (zerolab.book.gpu_results_ch11_13.h200_runs): each engine's median step, eager and
+    compiled, one marker per repetition; DeepSpeed's rows (clipping to 1.0) are labelled so."""
+    from . import gpu_results as gr
+    names = list(runs["eager", 1])
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    styles = {("eager", 1): ("o", "#4C72B0"), ("eager", 2): ("o", "#A1C9F4"),
+              ("compiled", 1): ("^", "#DD8452"), ("compiled", 2): ("^", "#FFB482")}
+    for (mode, rep), (marker, color) in styles.items():
+        pts = [(runs[mode, rep][n]["step_ms"], j) for j, n in enumerate(names) if n in runs[mode, rep]]
+        ax.scatter([p[0] for p in pts], [p[1] + (0.15 if mode == "compiled" else -0.15) for p in pts], marker=marker,
+                   s=55, color=color, edgecolor="black", linewidth=0.5, label=f"{mode}, repetition {rep}", zorder=3)
+    ax.set_yticks(range(len(names)), [f"{n}{' (clip 1.0)' if gr.clipped(n, {}) else ''}" for n in names], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ticks = [t for t in (50, 60, 80, 100, 150, 200, 300, 400) if t <= 1.1 * max(
+        r["step_ms"] for rows in runs.values() for r in rows.values())]
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("median step time (ms, log scale): less is faster", fontsize=9)
+    ax.set_title(f"Each side's fast path, world 1, chapter 10's GPT: {machine['device']}, one machine start "
+                 f"({machine['date']})", fontsize=10)
+    ax.grid(axis="x", alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def activation_figure(rows, device_gb):
+    """Stacked bars of GB per device: model states and activations for each (label, states_gb, activations_gb),
+    with the device's memory as a line (chapter 10: the paper's activation estimate, zerolab.theory.calculator)."""
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    y = list(range(len(rows)))
+    states = [r[1] for r in rows]
+    acts = [r[2] for r in rows]
+    ax.barh(y, states, color="#4C72B0", label="model states")
+    ax.barh(y, acts, left=states, color="#C44E52", label="activations")
+    for j, (s, a) in enumerate(zip(states, acts)):
+        ax.text(s + a, j, f" {s + a:.1f} GB", va="center", fontsize=8)
+    ax.axvline(device_gb, color="black", ls="--", lw=1)
+    ax.text(device_gb, len(rows) - 0.6, f" {device_gb:g} GB device", fontsize=8, va="center")
+    ax.set_yticks(y, [r[0] for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.25 * max(max(s + a for s, a in zip(states, acts)), device_gb))
+    ax.set_xlabel("GB per device (calculator: model states + the paper's activation estimate)")
+    ax.set_title("Activations, not model states, decide whether it fits", fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+ROOF_COLORS = {"matmul": "#4C72B0", "attention": "#8172B3", "memory": "#C44E52", "optimizer": "#DD8452"}
+
+
+def roofline_figure(steps):
+    """One stacked bar per step (label, zerolab.theory.roofline.step_time's dict, MFU bound): each kind of
+    operation's share of the step's time at its roofs, with the step's ms and the bound written beside it."""
+    from ..theory.roofline import KINDS
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.9 * len(steps)))
+    for j, (label, t, bound) in enumerate(steps):
+        left = 0.0
+        for kind in KINDS:
+            share = 100 * t[kind] / t["total"]
+            ax.barh(j, share, left=left, color=ROOF_COLORS[kind], label=kind if j == 0 else None)
+            if share > 6:
+                ax.text(left + share / 2, j, f"{share:.0f}%", ha="center", va="center", fontsize=8, color="white")
+            left += share
+        ax.text(101, j, f"{1e3 * t['total']:.0f} ms at the roofs\nMFU at most {100 * bound:.0f}%", va="center",
+                fontsize=8)
+    ax.set_yticks(range(len(steps)), [s[0] for s in steps], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 130)
+    ax.set_xticks(range(0, 101, 20))
+    ax.set_xlabel("share of the step's time at the roofs (%)")
+    ax.set_title("Where a step's time goes on an H100's roofline (red: memory-bound)", fontsize=10)
+    ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.4, -0.35 if len(steps) < 3 else -0.2),
+              frameon=False)
+    fig.tight_layout()
+    return fig

@@ -6,7 +6,8 @@
 The chapters execute on 2 CPU cores with gloo; the files under gpu/results/ were written by
 gpu/run_all.sh on one GPU (see README, "Reproduce the GPU results"). This module only reads
 them: it never touches CUDA and never re-measures, so its output is the same on every machine.
-Chapters with a GPU result: 2, 5, 8, 9, 10, and 11-13 (zerolab.book.gpu_results_ch11_13).
+Chapters with a GPU result: 2, 5, 8, 9, 10, and 11-13 (zerolab.book.gpu_results_ch11_13). MFU is counted one
+way everywhere (zerolab.book.mfu: without the embedding lookups).
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ import os
 
 from ..theory.cost_model import H100_PEAK_FLOPS
 from . import gpu_results_ch11_13 as later
+from . import mfu as model_flops
 
 CHAPTERS = (2, 5, 8, 9, 10, 11, 12, 13)
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "gpu",
                        "results")
 FILES = ("parity.json", "bench.json", "bench_rep2.json", "memory_snapshot.json", "profile.json", "offload.json",
-         "overlap.json", "chapters.json", "fastpath.json", "offload_cuda.json")
+         "overlap.json", "chapters.json", "fastpath.json", "offload_cuda.json",
+         os.path.join(later.H200_RUN, later.H200_JSON))
+LOGS = tuple(os.path.join(later.H200_RUN, name) for name in later.H200_LOGS.values())   # chapter 11's medians
 FIGURES = {5: "profile.png", 9: "memory_snapshot.png", 10: "bench.png"}
 
 
@@ -34,10 +38,10 @@ def load(name: str, results: str | None = None) -> dict | None:
         return json.load(f)
 
 
-def header(machine: dict) -> str:
+def header(machine: dict, script: str = "gpu/run_all.sh") -> str:
     return (f"**Measured on a GPU ({machine['device']}, {machine['date']})**: torch {machine['torch']}, "
             f"CUDA {machine['cuda']}, NCCL {machine['nccl']}, driver {machine['driver']}; "
-            f"written by `gpu/run_all.sh`, not re-run here.")
+            f"written by `{script}`, not re-run here.")
 
 
 def _gb(x) -> str:
@@ -84,19 +88,54 @@ def _chapter2(results):
     c2 = (ch or {}).get("chapters", {}).get("02_mixed_precision.ipynb", {})
     ratio = next((c for c in c2.get("differing_cells", []) if c["head"].startswith("ratios")), None)
     if ratio:
-        lines += ["", "This chapter's own step-time comparison, executed on the GPU box (the model is tiny, so "
-                      "the GPU waits on Python and bf16 cannot pay off):", "", "```", ratio["stdout"].rstrip(), "```"]
+        lines += ["", "This chapter's own step-time comparison, executed once on the GPU box (the model is tiny, so "
+                      "the GPU waits on Python and bf16 cannot pay off). One run of the cell, whose steps' spread was "
+                      "not kept: read it as bf16 not paying off on a model this small, not as a measured slowdown, "
+                      "and not as a difference between the three 16-bit rows.", "",
+                  "```", ratio["stdout"].rstrip(), "```"]
     return "\n".join(lines)
 
 
 def mfu(row, bench) -> float:
-    """Model FLOPs utilisation as the literature and zerolab.theory.cost_model count it: the model's FLOPs per
-    second over the H100's datasheet bf16 peak (989 TFLOP/s). Files written before gpu/bench.py said so
-    recorded the same FLOPs over the box's measured bf16 matmul rate in a field named "mfu": that ratio is
-    the matmul utilisation, not MFU, and is converted here."""
-    if "mfu_datasheet" in row:
-        return row["mfu_datasheet"]
-    return row["mfu"] * bench["matmul_peak"]["flops"] / H100_PEAK_FLOPS
+    """Model FLOPs utilisation, the book's one convention (zerolab.book.mfu): 6 x (parameters outside the
+    embedding lookups) + attention FLOPs per token, times the row's tokens per second, over the datasheet's
+    dense bf16 peak (989 TFLOP/s). Computed here from the measured tokens per second and the model's
+    configuration: the files' own MFU fields counted the embedding lookups as 6 FLOPs per parameter too
+    (and the first ones divided by the measured matmul rate instead of the datasheet's)."""
+    return model_flops.mfu(row["tokens_per_s"], bench["runs"]["world1"]["config"], row["psi"])
+
+
+# How each engine keeps its numbers in the GPU runs (gpu.workers, gpu.fastpath: each as its own users run bf16).
+PRECISION = {"zl.": "bf16 weights, fp32 master", "PyTorch DDP": "fp32 weights, autocast bf16",
+             "FSDP2": "fp32 shards, bf16 compute", "DeepSpeed": "bf16 weights, fp32 master"}
+
+
+def precision(engine: str) -> str:
+    """The precision regime an engine's GPU rows ran in (PyTorch DDP's differs: autocast over fp32)."""
+    return next(v for k, v in PRECISION.items() if engine.startswith(k))
+
+
+def clipped(engine: str, result: dict) -> bool:
+    """Whether a GPU row ran with DeepSpeed's default gradient clipping to a norm of 1.0. DeepSpeed clips
+    unless its config says "gradient_clipping": 0.0, which zerolab.bench.deepspeed_config has said only
+    since every committed GPU file was written; a file records the value it ran with
+    ("deepspeed_gradient_clipping") from then on, and one that does not ran with the default."""
+    return engine.startswith("DeepSpeed") and result.get("deepspeed_gradient_clipping", 1.0) != 0
+
+
+CLIP_MARK = "§"
+PRECISION_NOTE = ("Precision, as each project's users run bf16: zerolab and DeepSpeed keep bf16 weights and "
+                  "gradients with an fp32 master copy and AdamW's moments; FSDP2 keeps fp32 shards, computes on "
+                  "gathered bf16 copies and reduces in bf16; PyTorch DDP runs `torch.autocast` over fp32 weights, "
+                  "so its gradients, their reduction and AdamW are fp32, and the operations autocast leaves "
+                  "alone read and write fp32. The model's FLOPs are the same in all four; the bytes they move "
+                  "are not.")
+CLIP_NOTE = (f"{CLIP_MARK} Measured with DeepSpeed's default gradient clipping to a norm of 1.0, which no other row "
+             "does: each step scaled every gradient by the clip factor (in stages 1 and 2 a pass over the "
+             "gradients DeepSpeed skips without clipping; the norm itself is computed either way), and the clipped "
+             "updates train another trajectory than the other rows'. `zerolab.bench.deepspeed_config`, which the GPU "
+             "scripts use too, now sets `\"gradient_clipping\": 0.0` (chapter 10's CPU bench runs with it); these rows "
+             "wait for a GPU to be measured again.")
 
 
 # Rows of the committed bench files whose memory was measured against a level that moved during their run
@@ -133,35 +172,42 @@ def _bench_row(r, rep2=None, bench=None, bench2=None):
     ran2 = bool(rep2 and rep2.get("ran"))
     held, peak, derived = world1_memory(bench).get(r["engine"], (r["held_bytes"], r["peak_bytes"], False))
     mark = "†" if derived else ""
+    clip = CLIP_MARK if clipped(r["engine"], bench) or (ran2 and clipped(r["engine"], bench2 or bench)) else ""
     tokens = f"{r['tokens_per_s']:,.0f}" + (f" / {rep2['tokens_per_s']:,.0f}" if ran2 else "")
     mfus = f"{100 * mfu(r, bench):.1f}%" + (f" / {100 * mfu(rep2, bench2 or bench):.1f}%" if ran2 else "")
-    return (f"| {r['engine']} | {_steps(r)} | {_steps(rep2) if ran2 else '-'} | {tokens} | {mfus} | "
-            f"{_gb(held)}{mark} | {_gb(peak)}{mark} | {_gb(r['formula_model_state_bytes'])} | "
+    return (f"| {r['engine']}{clip} | {precision(r['engine'])} | {_steps(r)} | {_steps(rep2) if ran2 else '-'} | "
+            f"{tokens} | {mfus} | {_gb(held)}{mark} | {_gb(peak)}{mark} | {_gb(r['formula_model_state_bytes'])} | "
             f"{peak / r['formula_model_state_bytes']:.2f}{mark} |")
 
 
-BENCH_HEAD = ["| engine | step (ms), rep 1: median (min-max) | rep 2 | tokens/s (rep 1 / rep 2) | MFU (rep 1 / rep 2) | "
-              "held (GB) | peak (GB) | formula (GB) | peak / formula |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+BENCH_HEAD = ["| engine | precision | step (ms), rep 1: median (min-max) | rep 2 | tokens/s (rep 1 / rep 2) | "
+              "MFU (rep 1 / rep 2) | held (GB) | peak (GB) | formula (GB) | peak / formula |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
 
 def _bench_intro(b):
     w = b["runs"]["world1"]
     psi = w["rows"][0]["psi"]
-    return (f"A {psi / 1e6:.0f} M-parameter GPT ({w['config']['n_layer']} layers, width {w['config']['n_embd']}, "
-            f"{w['config']['block_size']} tokens, vocabulary {w['config']['vocab_size']}) in bf16 with AdamW, "
+    cfg = w["config"]
+    return (f"A {psi / 1e6:.0f} M-parameter GPT ({cfg['n_layer']} layers, width {cfg['n_embd']}, "
+            f"{cfg['block_size']} tokens, vocabulary {cfg['vocab_size']}) with AdamW, "
             f"{w['batch_per_rank']} sequences a step, eager (no `torch.compile`) on every side, world 1 on NCCL: one "
             "GPU, so no collective moves a byte, and the times compare what each engine costs around the same "
-            f"arithmetic (hooks, copies, its optimizer, kernel launches), not how it communicates. Buckets of "
+            f"model and batch (hooks, copies, casts, its optimizer, kernel launches), not how it communicates. Buckets of "
             f"{w['bucket_mb']:g} MB; each engine built alone, {w['warmup']} warm-up and {w['timed_steps']} timed steps: "
             "the median, with the fastest and slowest step in brackets, for each of two repetitions on two machine "
-            "starts. MFU = (6Ψ + attention) FLOPs per token × tokens/s over the H100's datasheet bf16 peak, "
-            f"{H100_PEAK_FLOPS / 1e12:.0f} TFLOP/s (the same GPU's bf16 matrix product measured "
-            f"{b['matmul_peak']['flops'] / 1e12:.0f} TFLOP/s, so no engine could pass "
-            f"{100 * b['matmul_peak']['flops'] / H100_PEAK_FLOPS:.0f}%). Held = allocated when a step begins; peak = "
+            "starts. MFU = the model's FLOPs per token × tokens/s over the H100's datasheet bf16 peak, "
+            f"{H100_PEAK_FLOPS / 1e12:.0f} TFLOP/s, with 6 FLOPs per parameter outside the embedding lookups "
+            f"({model_flops.embedding_params(cfg) / 1e6:.1f} M of the {psi / 1e6:.0f} M are looked up, not multiplied) "
+            f"plus attention: {model_flops.flops_per_token(cfg, psi) / 1e9:.3f} GFLOP per token. The same GPU's "
+            f"bf16 matrix product measured {b['matmul_peak']['flops'] / 1e12:.0f} TFLOP/s, "
+            f"{100 * b['matmul_peak']['flops'] / H100_PEAK_FLOPS:.0f}% of the peak, above every row. "
+            "Held = allocated when a step begins; peak = "
             "`torch.cuda.max_memory_allocated` over the timed steps; formula = the paper's model states for the "
             "engine's layout (activations come on top). Step times of one engine moved by a factor of two or more "
-            "between the repetitions for the engines that launch many small kernels: compare within a repetition, "
-            "and read a difference smaller than the two repetitions' spread as a tie.")
+            "between the repetitions for the engines that launch many small kernels: compare engines within a "
+            "repetition (one machine start), and read a difference that the two repetitions do not both show as "
+            "a tie.\n\n" + PRECISION_NOTE)
 
 
 def _derived_note(bench, bench2=None) -> str:
@@ -253,7 +299,9 @@ def _chapter8(results):
         backend = "NCCL" if "nccl" in p["backend"] else p["backend"]
         lines.append(f"| {key[-1]} ({backend}) | {p['step_ms']['0']:.1f} | {p['gather_wait_ms']['0']:.1f} | "
                      f"{p['step_ms']['1']:.1f} | {p['gather_wait_ms']['1']:.1f} | {p['median_ratio_pf1_over_pf0']:.3f} |")
-    lines += ["", "Over gloo on one GPU an all-gather is far slower than the unit's compute, so prefetch hides "
+    lines += ["", "One run of 8 interleaved steps per world size; the steps' spread was not kept, so the ratio "
+                  "column has none beside it.", "",
+              "Over gloo on one GPU an all-gather is far slower than the unit's compute, so prefetch hides "
                   "only part of it; at world 1 an all-gather moves nothing and prefetch changes nothing (the "
                   "bench in chapter 10 shows the same two engines within run-to-run noise of each other)."]
     return "\n".join(lines)
@@ -290,10 +338,11 @@ def _chapter9(results):
     off = load("offload.json", results)
     pc = off["pcie"]
     spread = "step_ms_min" in next(iter(off["runs"]["world1"]["rows"].values()))
-    lines += ["", f"ZeRO-R's activation options under `zl.ZeRO(stage=2)` in bf16 (peak allocated per rank; the step is "
+    lines += ["", "ZeRO-R's activation options under `zl.ZeRO(stage=2)` in bf16 (peak allocated per rank; the step is "
                   + ("the median of the timed steps, fastest and slowest in brackets" if spread else
-                     "the median of 5 timed steps of one run, which kept no per-step times, so no spread is shown; "
-                     "gpu/offload.py now keeps every step's time. The same engine on the same model without "
+                     "the median of 5 timed steps of one run, which kept no per-step times, so no spread is shown, "
+                     "neither for a row nor for a ratio of two rows; gpu/offload.py now keeps every step's time. The "
+                     "same engine on the same model without "
                      "checkpointing, zl.ZeRO-2 in chapter 10's bench, took "
                      + " and ".join(f"{_rows(b, 'world1')['zl.ZeRO-2']['step_ms']:.1f}" for b in _reps(results))
                      + f" ms in its two repetitions, and {off['runs']['world1']['rows']['no checkpointing']['step_ms']:.1f} "
@@ -323,7 +372,7 @@ def _chapter10(results):
     b1, *rest = _reps(results)
     b2 = rest[0] if rest else None
     r2 = _rows(b2, "world1") if b2 else {}
-    lines = [header(b1["machine"]), "", _bench_intro(b1),
+    lines = [header(b1["machine"]), "", _bench_intro(b1), "",
              f"DeepSpeed: {b1['deepspeed']}, installed from its source distribution with no compiled ops, "
              "torch.optim.AdamW as its optimizer, bf16, reduce/all-gather buckets of 25 MB, overlap_comm on. "
              "At world 1 zerolab's three ZeRO stages hold the same (there is nothing to shard; FSDP2 and "
@@ -332,13 +381,15 @@ def _chapter10(results):
         if r["ran"]:
             lines.append(_bench_row(r, r2.get(r["engine"]), b1, b2))
         else:
-            lines.append(f"| {r['engine']} | not run: {r['error'][:80]} | | | | | | | |")
+            lines.append(f"| {r['engine']} | {precision(r['engine'])} | not run: {r['error'][:80]} | | | | | | | |")
     note = _derived_note(b1, b2)
-    return "\n".join(lines + (["", note] if note else []))
+    clip = CLIP_NOTE if any(clipped(r["engine"], b) for b in (b1, b2) if b for r in b["runs"]["world1"]["rows"]) else ""
+    return "\n".join(lines + [x for n in (clip, note) if n for x in ("", n)])
 
 
 TEXT = {2: _chapter2, 5: _chapter5, 8: _chapter8, 9: _chapter9, 10: _chapter10,
-        11: lambda results: later.chapter11(load("fastpath.json", results), load("chapters.json", results), header),
+        11: lambda results: later.chapter11(results or RESULTS, load("chapters.json", results), load("bench.json", results),
+                                            header),
         12: lambda results: later.chapter12(load("chapters.json", results), header),
         13: lambda results: later.chapter13(load("offload_cuda.json", results), load("chapters.json", results), header)}
 
@@ -358,12 +409,17 @@ def facts(chapter: int, results: str | None = None) -> dict:
         moves = [max(a["tokens_per_s"], b["tokens_per_s"]) / min(a["tokens_per_s"], b["tokens_per_s"])
                  for name, a in r1.items() for b in [r2.get(name)] if a["ran"] and b and b["ran"]]
         return {"psi": b1["runs"]["world1"]["rows"][0]["psi"], "largest_move": max(moves)}
-    raise ValueError(f"no GPU facts for chapter {chapter!r}; chapters with some: 8, 10")
+    if chapter == 11:
+        runs = later.h200_runs(os.path.join(results or RESULTS, later.H200_RUN))
+        meta = load(later.H200_JSON, os.path.join(results or RESULTS, later.H200_RUN))
+        return {"runs": runs, "stages": later.stage_ratios(runs), "compile": later.compile_effect(runs),
+                "machine": meta["machine"]}
+    raise ValueError(f"no GPU facts for chapter {chapter!r}; chapters with some: 8, 10, 11")
 
 
 def missing(results: str | None = None) -> list[str]:
     """The result files that are not there (the GPU results are optional: a checkout may lack them)."""
-    return [f for f in FILES if not os.path.exists(os.path.join(results or RESULTS, f))]
+    return [f for f in FILES + LOGS if not os.path.exists(os.path.join(results or RESULTS, f))]
 
 
 def markdown(chapter: int, results: str | None = None) -> str:

@@ -1,6 +1,6 @@
 """The GPU results of chapters 11, 12 and 13 (read by zerolab.book.gpu_results, which shows them).
 
-Chapter 11: each side's fast path on one H100 (gpu/results/fastpath.json): fused AdamW, torch.compile,
+Chapter 11: each side's fast path on one H200, twice in one start (h200_2026-11-26b): fused AdamW, torch.compile,
 DeepSpeed's FusedAdam. Chapter 12: the chapter executed on the GPU box (chapters.json). Chapter 13:
 offload on CUDA beside DeepSpeed's offload_optimizer (offload_cuda.json). Every number is computed
 here from those files; nothing is measured.
@@ -12,113 +12,151 @@ import re
 
 from ..theory.cost_model import H100_PEAK_FLOPS
 
+# ------------------------------------------------------------------ chapter 11
+# Chapter 11 reads one machine start of one H200 (gpu/results/h200_2026-11-26b/README.md): every engine's fast
+# path, eager twice and then compiled twice, all in that start, so each ratio below sets two engines of the same
+# start side by side, once per repetition. Only one of the start's JSON files came back from the machine; the
+# four logs hold every row's median step, tokens per second, peak memory and first steps.
+
 # which engines answer the same question (the same states sharded): zerolab's, then its peers
 FAMILIES = (("DDP", "zl.DDP", ("PyTorch DDP",)),
             ("ZeRO-1", "zl.ZeRO-1", ("DeepSpeed ZeRO-1",)),
             ("ZeRO-2", "zl.ZeRO-2", ("FSDP2 reshard=False", "DeepSpeed ZeRO-2")),
             ("ZeRO-3", "zl.ZeRO-3", ("FSDP2 reshard=True", "DeepSpeed ZeRO-3")))
+H200_RUN = "h200_2026-11-26b"
+H200_LOGS = {("eager", 1): "eager_rep1.log", ("eager", 2): "eager_rep2.log",
+             ("compiled", 1): "compiled_rep1.log", ("compiled", 2): "compiled_rep2.log"}
+H200_JSON = "fastpath_compiled_rep1.json"       # the start's machine record, model and batch
+MODES, REPS = ("eager", "compiled"), (1, 2)
+# "zl.DDP      58.4 ms    140,371 tok/s  MFU 38.9%  peak 18.83 GB (formula 6.50)  AdamW(fused=True)"
+_SUMMARY = re.compile(r"^(?P<engine>[A-Za-z].*?)\s{2,}(?P<ms>[\d.]+) ms\s+(?P<tok>[\d,]+) tok/s\s+MFU [\d.]+%\s+"
+                      r"peak (?P<peak>[\d.]+) GB \(formula (?P<formula>[\d.]+)\)\s+(?P<optimizer>.+?)\s*$")
+# "[rank 0] zl.DDP compiled     median    57.5 ms, first steps 34.8, 0.1, 0.1 s"
+_FIRST = re.compile(r"^\[rank 0\] (?P<engine>\S.*?)\s+median\s+[\d.]+ ms, first steps (?P<first>[\d.]+),")
 
 
-def _ran(rows):
-    return {r["engine"]: r for r in rows if r.get("ok")}
-
-
-def fastpath_rows(fast: dict) -> dict:
-    """{engine name (with ' compiled'): row} over the eager, compiled and DeepSpeed runs."""
+def h200_runs(folder: str) -> dict:
+    """{(mode, repetition): {engine: row}} from the start's four logs, engines named without ' compiled';
+    a row: step_ms, tokens_per_s, peak_gb, formula_gb, optimizer (as the log names it), first_s (the first
+    step's seconds, compiling included)."""
+    import os
     out = {}
-    for run in ("eager", "compiled", "deepspeed_fused"):
-        out.update(_ran(fast["runs"][run]["rows"]))
+    for key, name in H200_LOGS.items():
+        rows, first = {}, {}
+        with open(os.path.join(folder, name)) as f:
+            for line in f:
+                if m := _FIRST.match(line):
+                    first[m["engine"]] = float(m["first"])
+                elif m := _SUMMARY.match(line):
+                    rows[m["engine"]] = {"engine": m["engine"].removesuffix(" compiled"), "step_ms": float(m["ms"]),
+                                         "tokens_per_s": float(m["tok"].replace(",", "")),
+                                         "peak_gb": float(m["peak"]), "formula_gb": float(m["formula"]),
+                                         "optimizer": m["optimizer"]}
+        out[key] = {r["engine"]: {**r, "first_s": first.get(logged)} for logged, r in rows.items()}
     return out
 
 
-def best_of_each_family(fast: dict) -> list[dict]:
-    """Per ZeRO stage and per mode (eager, compiled): zerolab's row beside its fastest peer IN THE SAME MODE
-    (a compiled engine is never set against an eager one), the ratio of their median tokens/s, and whether
-    their fastest-to-slowest step ranges overlap (then the difference is within the run's own noise).
-    peer is None where no peer ran in that mode (DeepSpeed runs eager only)."""
-    rows = fastpath_rows(fast)
+def stage_ratios(runs: dict) -> list[dict]:
+    """Per ZeRO stage and mode: zerolab's engine beside its fastest peer in that mode (eager beside eager,
+    compiled beside compiled; the peer with the most tokens per second over both repetitions), and
+    zerolab's tokens per second over the peer's in each repetition. verdict: 'ahead' or 'behind' when both
+    repetitions agree, 'tie' when they disagree; peer None where no peer ran in that mode."""
     out = []
     for stage, ours, peers in FAMILIES:
-        for mode, suffix in (("eager", ""), ("compiled", " compiled")):
-            mine = rows.get(ours + suffix)
-            if mine is None:
+        for mode in MODES:
+            reps = [runs[mode, k] for k in REPS]
+            if not all(ours in r for r in reps):
                 continue
-            theirs = [rows[p + suffix] for p in peers if p + suffix in rows]
-            best = max(theirs, key=lambda r: r["tokens_per_s"]) if theirs else None
-            row = {"stage": stage, "mode": mode, "zerolab": mine, "peer": best}
-            if best is not None:
-                row["ratio"] = mine["tokens_per_s"] / best["tokens_per_s"]
-                row["overlap"] = (mine["step_ms_min"] <= best["step_ms_max"] and best["step_ms_min"] <= mine["step_ms_max"])
+            ran = [p for p in peers if all(p in r for r in reps)]
+            peer = max(ran, key=lambda p: sum(r[p]["tokens_per_s"] for r in reps)) if ran else None
+            row = {"stage": stage, "mode": mode, "zerolab": ours, "peer": peer,
+                   "zerolab_ms": [r[ours]["step_ms"] for r in reps]}
+            if peer:
+                row["peer_ms"] = [r[peer]["step_ms"] for r in reps]
+                row["ratios"] = [r[ours]["tokens_per_s"] / r[peer]["tokens_per_s"] for r in reps]
+                row["verdict"] = ("ahead" if min(row["ratios"]) > 1 else "behind" if max(row["ratios"]) < 1
+                                  else "tie")
             out.append(row)
     return out
 
 
-def _span(r) -> str:
-    start = ", second machine start" if r["engine"].startswith("DeepSpeed") else ""
-    return f"{r['engine']}: {r['step_ms']:.1f} ({r['step_ms_min']:.0f}-{r['step_ms_max']:.0f}{start})"
+def compile_effect(runs: dict) -> dict:
+    """{engine: [compiled step / eager step, per repetition]} for every engine run both ways."""
+    both = [e for e in runs["compiled", 1] if all(e in runs[m, k] for m in MODES for k in REPS)]
+    return {e: [runs["compiled", k][e]["step_ms"] / runs["eager", k][e]["step_ms"] for k in REPS] for e in both}
 
 
-def _fast_row(r, second=False):
-    first = r["warmup_s"][0]
-    return (f"| {r['engine']}{' (second start)' if second else ''} | {r['optimizer'].split(',')[0]} | {r['step_ms']:.1f} ({r['step_ms_min']:.0f}-"
-            f"{r['step_ms_max']:.0f}) | {r['tokens_per_s']:,.0f} | {100 * r['tokens_per_s'] * _fpt(r) / H100_PEAK_FLOPS:.1f}% | "
-            f"{first:.1f} | {r['peak_bytes'] / 1e9:.2f} |")
+def _pair(values, fmt="{:.1f}") -> str:
+    return " / ".join(fmt.format(v) for v in values)
 
 
-def _fpt(r):
-    # FLOPs per token as the run computed them (MFU over the datasheet = fpt * tok/s / peak)
-    return r["mfu_datasheet"] * H100_PEAK_FLOPS / r["tokens_per_s"]
-
-
-def chapter11(fast: dict, chapters: dict, header) -> str:
-    eager = fast["runs"]["eager"]
-    psi = eager["rows"][0]["psi"]
-    rows = fastpath_rows(fast)
-    lines = [header(fast["machine"]), "",
-             f"Each side's fast path, the way its users run it fast: a {psi / 1e6:.0f} M-parameter GPT (GPT-2 medium "
-             f"shape) in bf16, {eager['batch']} sequences of 1,024 tokens a step, world 1 on NCCL, buckets of 25 MB; "
-             "AdamW with `fused=True` for zerolab and PyTorch, DeepSpeed's own compiled FusedAdam; `compiled` = "
-             "`torch.compile(model)` before zerolab wraps it, around the DDP wrapper, after `fully_shard` for FSDP2 "
-             "(DeepSpeed eager only). Median of 10 timed steps (min-max in brackets) after 3 warm-up steps; the "
-             "first step's seconds include compiling. World 1: one GPU, nothing communicated. MFU over the datasheet's "
-             f"{H100_PEAK_FLOPS / 1e12:.0f} TFLOP/s; peak = `torch.cuda.max_memory_allocated`. One run per row, "
-             "on one machine start: the step times of one engine spread by up to 2x within it. "
-             "DeepSpeed's rows come from a second machine start: in the first, its op builder could not parse "
-             "the machine's `TORCH_CUDA_ARCH_LIST` (\"9.0a\"); the second set it to 9.0.",
-             "", "| engine | optimizer | step (ms) | tokens/s | MFU | first step (s) | peak (GB) |",
-             "|---|---|---:|---:|---:|---:|---:|"]
-    for run in ("eager", "deepspeed_fused", "compiled"):
-        for r in fast["runs"][run]["rows"]:
-            if r.get("ok"):
-                lines.append(_fast_row(r, second=run == "deepspeed_fused"))
-            elif r["engine"] not in rows:      # (a row that ran in the other start is shown from there)
-                why = ("not measured: the op builder failed in the first start, the time limit cut the second"
-                       if r["engine"].startswith("DeepSpeed") else f"not run: {r['error'][:70]}")
-                lines.append(f"| {r['engine']} | {why} | | | | | |")
-    lines += ["", "Each ZeRO stage, eager beside eager and compiled beside compiled: zerolab's engine and the fastest "
-                  "peer that ran the same way, step in ms as median (fastest-slowest). World 1 is one GPU: no "
-                  "collective moves a byte, so a ratio here measures what each engine costs around the same "
-                  "arithmetic, not how it communicates. Where the two step ranges overlap, the difference is within "
-                  "the run's own noise.", "",
-              "| stage | mode | zerolab, step (ms) | fastest peer, step (ms) | zerolab / peer, tokens/s | ranges |",
-              "|---|---|---|---|---:|---|"]
-    for b in best_of_each_family(fast):
+def chapter11(results: str, chapters: dict, bench: dict, header) -> str:
+    import json
+    import os
+    from . import gpu_results as gr
+    from .mfu import mfu
+    folder = os.path.join(results, H200_RUN)
+    with open(os.path.join(folder, H200_JSON)) as f:
+        meta = json.load(f)
+    runs = h200_runs(folder)
+    cfg, psi = bench["runs"]["world1"]["config"], meta["rows"][0]["psi"]
+    assert meta["model"] == bench["runs"]["world1"]["model"], "the bench's model"
+    mark = lambda e: gr.CLIP_MARK if gr.clipped(e, meta) else ""
+    spread = max(abs(runs[k][e]["peak_gb"] - r["peak_gb"]) for e, r in runs["eager", 1].items() for k in runs
+                 if e in runs[k])
+    lines = [header(meta["machine"], "gpu/run_fastpath_twice.sh"), "",
+             f"Each side's fast path, the way its users run it fast: the {psi / 1e6:.0f} M-parameter GPT of chapter 10 "
+             f"(GPT-2 medium's shape), {meta['batch']} sequences of {cfg['block_size']:,} tokens a step, world 1 on NCCL, "
+             "buckets of 25 MB; AdamW with `fused=True` for zerolab and PyTorch, DeepSpeed's own compiled FusedAdam; "
+             "`compiled` = `torch.compile(model)` before zerolab wraps it, around the DDP wrapper, after "
+             "`fully_shard` for FSDP2 (DeepSpeed runs eager only). Each cell is the median of 10 timed steps after 3 "
+             "warm-up steps, eager twice and then compiled twice, every row in one machine start. World 1: one GPU, "
+             "nothing communicated. MFU as in chapter 10 (the H200's datasheet bf16 peak is the H100's, "
+             f"{H100_PEAK_FLOPS / 1e12:.0f} TFLOP/s); peak = `torch.cuda.max_memory_allocated` in the first eager "
+             f"repetition (every other run of the row within {spread:.2f} GB of it); first step = the first compiled step's seconds, compiling included.", "",
+             "| engine | precision | optimizer | eager step (ms), rep 1 / 2 | compiled step (ms), rep 1 / 2 | "
+             "MFU eager | MFU compiled | first compiled step (s) | peak (GB) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    mfus = lambda rows: _pair([100 * mfu(x["tokens_per_s"], cfg, psi) for x in rows]) + "%"
+    for engine, r in runs["eager", 1].items():
+        eager = [runs["eager", k][engine] for k in REPS]
+        comp = [runs["compiled", k].get(engine) for k in REPS]
+        compiled = ([_pair(x["step_ms"] for x in comp), mfus(comp), f"{comp[0]['first_s']:.1f}"] if all(comp)
+                    else ["-", "-", "-"])
+        cells = [f"{engine}{mark(engine)}", gr.precision(engine), r["optimizer"].split(",")[0],
+                 _pair(x["step_ms"] for x in eager), compiled[0], mfus(eager), *compiled[1:], f"{r['peak_gb']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", gr.PRECISION_NOTE, "", gr.CLIP_NOTE, "",
+              "Each ZeRO stage, eager beside eager and compiled beside compiled: zerolab's engine and its fastest peer "
+              "that ran the same way, and zerolab's tokens per second over the peer's in each repetition. Two "
+              "repetitions are all the start holds: a ratio on the same side of 1 in both is what this table can "
+              "show, and a ratio within a few percent of 1 is close whichever side it falls.", "",
+              "| stage | mode | zerolab, step (ms), rep 1 / 2 | fastest peer, step (ms), rep 1 / 2 | "
+              "zerolab / peer, tokens/s, rep 1 / 2 | in both repetitions |", "|---|---|---|---|---:|---|"]
+    words = {"ahead": "zerolab ahead", "behind": "the peer ahead", "tie": "a tie: they disagree"}
+    for b in stage_ratios(runs):
+        ours = f"{b['zerolab']}: {_pair(b['zerolab_ms'])}"
         if b["peer"] is None:
-            lines.append(f"| {b['stage']} | {b['mode']} | {_span(b['zerolab'])} | no peer ran {b['mode']} | - | - |")
+            lines.append(f"| {b['stage']} | {b['mode']} | {ours} | no peer ran {b['mode']} | - | - |")
         else:
-            lines.append(f"| {b['stage']} | {b['mode']} | {_span(b['zerolab'])} | {_span(b['peer'])} | "
-                         f"{b['ratio']:.2f} | {'overlap: a tie' if b['overlap'] else 'apart'} |")
-    ddp, ddp_c = rows.get("PyTorch DDP"), rows.get("PyTorch DDP compiled")
-    if ddp and ddp_c:
-        lines += ["", f"Compiling did not help PyTorch DDP here ({ddp['step_ms']:.0f} ms eager, {ddp_c['step_ms']:.0f} ms "
-                  "compiled). Compiled, DDP's DDPOptimizer splits the graph at bucket boundaries (PyTorch's "
-                  "torch.compile documentation); zerolab's hooks sit outside the model, which compiles whole. Why "
-                  "the split graph ran slower here was not profiled. DeepSpeed ZeRO-3 with FusedAdam did not finish "
-                  "inside its run's time limit."]
+            lines.append(f"| {b['stage']} | {b['mode']} | {ours} | {b['peer']}{mark(b['peer'])}: {_pair(b['peer_ms'])} | "
+                         f"{_pair(b['ratios'], '{:.2f}')} | {words[b['verdict']]} |")
+    effect = compile_effect(runs)
+    helped = [e for e, v in effect.items() if max(v) < 1]
+    hurt = [e for e, v in effect.items() if min(v) > 1]
+    mixed = [e for e in effect if e not in helped + hurt]
+    say = lambda es: ", ".join(es) or "none"
+    lines += ["", f"Compiling, compiled step over eager step in each repetition: faster in both for {say(helped)}; "
+                  f"slower in both for {say(hurt)}; one way in one repetition and the other in the other for "
+                  f"{say(mixed)}. zerolab's hooks sit outside the model, which compiles whole; PyTorch DDP's "
+                  "DDPOptimizer splits the graph at bucket boundaries (PyTorch's torch.compile documentation), "
+                  "and zl.ZeRO-3 is compiled unit by unit. Where the time goes in each case was not profiled."]
     ch = chapters["chapters"].get("11_your_own_model.ipynb")
     if ch:
-        lines += ["", f"This chapter itself, executed on the GPU box: {'every cell ran' if ch['ok'] else 'stopped'} in "
-                  f"{ch['seconds']:.0f} s, printed outputs {'as above' if not ch['cells_whose_stdout_differs'] else 'different in cells ' + str(ch['cells_whose_stdout_differs'])}."]
+        m = ch.get("machine") or chapters["machine"]
+        lines += ["", f"This chapter itself, executed on an {m['device']} ({m['date']}): "
+                  f"{'every cell ran' if ch['ok'] else 'stopped'} in {ch['seconds']:.0f} s, printed outputs "
+                  f"{'as committed then' if not ch['cells_whose_stdout_differs'] else 'different in cells ' + str(ch['cells_whose_stdout_differs'])}."]
     return "\n".join(lines)
 
 
