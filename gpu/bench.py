@@ -7,7 +7,7 @@ shape, untied head, vocab 50304, 1024 tokens) in bf16 with AdamW, 8 sequences a 
 engine is built alone, warmed up, then timed step by step (synchronised); memory is
 torch.cuda.max_memory_allocated over the timed steps, beside the paper's formula for its
 model states (gpu.workers.bench_worker says against which level). FLOPs per token (6 Psi +
-attention, zerolab.models.flops_per_token) x tokens/s over the H100 SXM datasheet's 989 TFLOP/s
+attention, zerolab.book.mfu.flops_per_token: no FLOPs for the embedding lookups) x tokens/s over the H100 SXM datasheet's 989 TFLOP/s
 dense bf16 is the MFU the book uses (mfu_datasheet); over the bf16 matmul rate measured in the
 same run it is the matmul utilisation (matmul_utilisation), a larger number.
 
@@ -29,7 +29,8 @@ import zerolab as zl
 from gpu.common import bf16_matmul_peak, write_json
 from gpu.workers import BENCH_ENGINES, bench_cfg, bench_worker
 from zerolab.memory import model_state_bytes
-from zerolab.models import flops_per_token
+from zerolab.book.mfu import flops_per_token
+from zerolab.bench import DEEPSPEED_GRADIENT_CLIPPING
 from zerolab.theory.cost_model import H100_PEAK_FLOPS
 
 DEEPSPEED_NOTE = None
@@ -115,7 +116,8 @@ def main(outdir, quick=False):
     runs = [("world1", 1, None, "350m" if cuda else "cpu-test", 8 if cuda else 2, 3, 3 if quick else 10),
             ("world2", 2, "gloo", "124m" if cuda else "cpu-test", 4 if cuda else 2, 2, 2)]
     result = {"what": "bf16 training step of a GPT: zerolab engines beside PyTorch DDP, FSDP2, DeepSpeed",
-              "matmul_peak": peak, "deepspeed": ds_note, "runs": {}}
+              "matmul_peak": peak, "deepspeed": ds_note, "deepspeed_gradient_clipping": DEEPSPEED_GRADIENT_CLIPPING,
+              "runs": {}}
     for key, n, backend, cfg_name, batch, warmup, steps in runs:
         cfg = bench_cfg(cfg_name)
         eng = engines if n == 1 else tuple(e for e in engines if not e.startswith("DeepSpeed")

@@ -36,8 +36,9 @@ import torch.distributed as dist
 import zerolab as zl
 from gpu.common import bf16_matmul_peak, machine
 from gpu.workers import _batch, bench_cfg, compute_device
-from zerolab.bench import deepspeed_config, fsdp2, make_zerolab, torch_ddp
-from zerolab.models import GPT, flops_per_token, gpt_loss
+from zerolab.bench import DEEPSPEED_GRADIENT_CLIPPING, deepspeed_config, fsdp2, make_zerolab, torch_ddp
+from zerolab.book.mfu import flops_per_token
+from zerolab.models import GPT, gpt_loss
 
 H100_SXM_BF16_DENSE = 989e12      # NVIDIA H100 datasheet, SXM5, dense (the 1,979 figure is with sparsity)
 EAGER = ("zl.DDP", "zl.ZeRO-1", "zl.ZeRO-2", "zl.ZeRO-3", "PyTorch DDP", "FSDP2 reshard=False",
@@ -177,7 +178,7 @@ def main(outdir, phase, quick=False, only=None):
     out = {"machine": machine(), "what": f"{phase}: each side's fast path, world 1 (NCCL), bf16",
            "model": cfg_name, "batch": batch, "tokens_per_step": batch * bench_cfg(cfg_name).block_size,
            "datasheet_peak_flops": H100_SXM_BF16_DENSE, "matmul_peak": peak, "seconds": time.time() - t,
-           "error": error, "rows": rows}
+           "error": error, "rows": rows, "deepspeed_gradient_clipping": DEEPSPEED_GRADIENT_CLIPPING}
     with open(os.path.join(outdir, f"fastpath_{tag}.json"), "w") as f:
         json.dump(out, f, indent=1, default=str)
     for r in rows:

@@ -290,7 +290,9 @@ def main(argv=None):
     jsonl = os.path.join(opts["outdir"], "host_step.jsonl")
     if os.path.exists(jsonl):
         os.remove(jsonl)
-    out = {"machine": machine(), "options": dict(opts), "what": __doc__.split("\n\n")[2]}
+    from zerolab.bench import DEEPSPEED_GRADIENT_CLIPPING
+    out = {"machine": machine(), "options": dict(opts), "what": __doc__.split("\n\n")[2],
+           "deepspeed_gradient_clipping": DEEPSPEED_GRADIENT_CLIPPING}
     if opts["deepspeed"]:
         print("building DeepSpeed's CPU-Adam op (about a minute the first time) ...", flush=True)
         opts["deepspeed_op"] = out["deepspeed_op"] = build_deepspeed_op()

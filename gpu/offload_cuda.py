@@ -36,7 +36,7 @@ import torch
 import zerolab as zl
 from gpu.common import machine
 from gpu.workers import _batch, bench_cfg, compute_device, pcie_bandwidth
-from zerolab.bench import deepspeed_config
+from zerolab.bench import DEEPSPEED_GRADIENT_CLIPPING, deepspeed_config
 from zerolab.models import GPT, gpt_loss
 
 ROWS = (("zl.ZeRO-1", 1, None), ("zl.ZeRO-1", 1, "optimizer"),
@@ -174,7 +174,7 @@ def main(outdir, second=False):
             r["closed_form_seconds_at_pinned_rate"] = {"d2h": 2 * r["psi"] / pcie["device_to_host"],
                                                        "h2d": 2 * r["psi"] / pcie["host_to_device"]}
     out = {"machine": machine(), "what": "offload on CUDA, world 1 (NCCL), bf16, GPT 124m shape",
-           "pcie": pcie, "error": error, "rows": rows}
+           "pcie": pcie, "error": error, "rows": rows, "deepspeed_gradient_clipping": DEEPSPEED_GRADIENT_CLIPPING}
     with open(os.path.join(outdir, "offload_cuda.json"), "w") as f:
         json.dump(out, f, indent=1, default=str)
 

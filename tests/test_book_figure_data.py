@@ -74,7 +74,7 @@ def test_chapter_13_gpu_rows_come_from_the_files():
     assert round(r["DeepSpeedCPUAdam, alone"]["median"], 1) == 39.7
     assert all(x["min"] <= x["median"] <= x["max"] and x["rounds"] == 5 for x in r.values())
     assert round(later.h200_disk_row()["disk_ms"]) == 4625
-    text = later.chapter13(_h100_offload(), None, None)
+    text = later.chapter13(_h100_offload())
     assert "16 host threads for every row" in text and "has not been executed" not in text
 
 

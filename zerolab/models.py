@@ -153,11 +153,6 @@ def num_params(model: nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
-def flops_per_token(cfg: GPTConfig, n_params: int) -> float:
-    """Training FLOPs per token: 6 N plus the attention term (PaLM appendix B)."""
-    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
-
-
 # ------------------------------------------------------------------ small models for tests
 
 

@@ -62,12 +62,12 @@ and over the floor (zerolab.bench.report.format_ratios).
 
 from .engines import FLOOR, KINDS, LOOPS, ZEROLAB, Runner, build_runners, engine_factories, make_zerolab, \
     pytorch_loop_name
-from .peers import deepspeed_config, fsdp2, quiet_deepspeed, torch_ddp, zero_redundancy
+from .peers import DEEPSPEED_GRADIENT_CLIPPING, deepspeed_config, fsdp2, quiet_deepspeed, torch_ddp, zero_redundancy
 from .report import COUNT_COLUMNS, TIMING_COLUMNS, format_ratios, format_table, summarize, targets
 from .overhead import format_overhead, measure as measure_overhead
 from .run import GPU_NOTE, bench_worker, main, measure_memory, run, written_bytes
 
-__all__ = ["FLOOR", "KINDS", "LOOPS", "pytorch_loop_name", "format_ratios", "ZEROLAB", "Runner", "build_runners", "deepspeed_config", "engine_factories", "make_zerolab",
+__all__ = ["DEEPSPEED_GRADIENT_CLIPPING", "FLOOR", "KINDS", "LOOPS", "pytorch_loop_name", "format_ratios", "ZEROLAB", "Runner", "build_runners", "deepspeed_config", "engine_factories", "make_zerolab",
            "quiet_deepspeed", "COUNT_COLUMNS", "TIMING_COLUMNS", "format_table", "summarize", "targets",
            "GPU_NOTE", "bench_worker", "main", "measure_memory", "run", "written_bytes", "format_overhead",
            "measure_overhead", "fsdp2", "torch_ddp", "zero_redundancy"]

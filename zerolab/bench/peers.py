@@ -44,6 +44,10 @@ def fsdp2(model, reshard, device_type="cpu", bf16=False):
     return model
 
 
+# what DeepSpeed's peers clip the gradient's norm to: 0.0, no clipping, as every other engine here
+# (a GPU result file records it as "deepspeed_gradient_clipping": zerolab.book.gpu_results.clipped)
+DEEPSPEED_GRADIENT_CLIPPING = 0.0
+
 def deepspeed_config(stage, batch, bucket_mb, *, bf16=False, overlap=False, adamw_lr=None,
                      offload_optimizer=False):
     """DeepSpeed's config for one stage, with the same bucket size as every other engine: the one
@@ -72,7 +76,7 @@ def deepspeed_config(stage, batch, bucket_mb, *, bf16=False, overlap=False, adam
     # gradient_clipping: DeepSpeed clips the gradient's norm to 1.0 unless told otherwise
     # (GRADIENT_CLIPPING_DEFAULT, deepspeed/runtime/constants.py); no other engine here clips
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
-              "steps_per_print": 10 ** 9, "gradient_clipping": 0.0}
+              "steps_per_print": 10 ** 9, "gradient_clipping": DEEPSPEED_GRADIENT_CLIPPING}
     if bf16:
         config["bf16"] = {"enabled": True}
     if adamw_lr is None:

@@ -16,12 +16,14 @@ and plot. One module per idea of a chapter:
     scaling_demo, bench_plots        chapter 10: scaling up, the benchmark's figures
     paper_tables, stage_choice       chapter 10: the paper's printed tables; choosing a stage
     own_model_demo, own_model_failures   chapter 11: a Hugging Face model, and what breaks
+    own_model_habits, own_model_figures  chapter 11: the habits table and the chapter's figures
     zeropp_demo                      chapter 12: ZeRO++ and HSDP, bytes by link class, schematics
     offload_demo, offload_plots      chapter 13: offload to host memory and to disk, measured
     per_parameter_demo, per_parameter_plots   chapter 14: FSDP2's per-parameter sharding, whole-matrix optimizers
     museum, museum_reference, museum_plots    chapter 15: users' failures reproduced, diagnosed, fixed
     web_widgets                      chapters 1, 3, 10: calculators that work in the page, no kernel
-    gpu_results                      chapters 2, 5, 8, 9, 10: what was measured on a GPU (gpu/results/)
+    gpu_results, gpu_results_ch11_13  chapters 2, 5, 8-13: what was measured on a GPU (gpu/results/)
+    mfu                              the GPU tables' model FLOPs per token (no embedding lookups)
     source                           chapters 2, 6, 7, 8: library source printed beside the prose
 """
 

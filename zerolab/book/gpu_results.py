@@ -24,7 +24,8 @@ RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
                        "results")
 FILES = ("parity.json", "bench.json", "bench_rep2.json", "memory_snapshot.json", "profile.json", "offload.json",
          "overlap.json", "chapters.json", "fastpath.json", "offload_cuda.json",
-         os.path.join(later.H200_RUN, later.H200_JSON))
+         os.path.join(later.H200_RUN, later.H200_JSON), os.path.join(later.H200_HOST_STEP, "host_step.json"),
+         os.path.join(later.H200_OFFLOAD, "offload_cuda.json"))
 LOGS = tuple(os.path.join(later.H200_RUN, name) for name in later.H200_LOGS.values())   # chapter 11's medians
 FIGURES = {5: "profile.png", 9: "memory_snapshot.png", 10: "bench.png"}
 
@@ -391,7 +392,7 @@ TEXT = {2: _chapter2, 5: _chapter5, 8: _chapter8, 9: _chapter9, 10: _chapter10,
         11: lambda results: later.chapter11(results or RESULTS, load("chapters.json", results), load("bench.json", results),
                                             header),
         12: lambda results: later.chapter12(load("chapters.json", results), header),
-        13: lambda results: later.chapter13(load("offload_cuda.json", results), load("chapters.json", results), header)}
+        13: lambda results: later.chapter13(load("offload_cuda.json", results), results)}
 
 
 def facts(chapter: int, results: str | None = None) -> dict:

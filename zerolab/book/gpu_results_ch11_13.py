@@ -2,8 +2,9 @@
 
 Chapter 11: each side's fast path on one H200, twice in one start (h200_2026-11-26b): fused AdamW, torch.compile,
 DeepSpeed's FusedAdam. Chapter 12: the chapter executed on the GPU box (chapters.json). Chapter 13:
-offload on CUDA beside DeepSpeed's offload_optimizer (offload_cuda.json). Every number is computed
-here from those files; nothing is measured.
+the H200 host step with equal host threads (h200_2026-11-26c/host_step.json), the disk row
+(h200_2026-11-26/offload_cuda.json), and the earlier H100 run (offload_cuda.json) explained. Every
+number is computed here from those files; nothing is measured.
 """
 
 from __future__ import annotations
@@ -248,12 +249,12 @@ def h100_speed(off: dict) -> dict:
     return {"zl_fused_ms": zl["step_ms"], "deepspeed_ms": ds["step_ms"], "zl_over_deepspeed": zl["step_ms"] / ds["step_ms"]}
 
 
-def chapter13(off: dict, chapters: dict, header) -> str:
+def chapter13(off: dict, results: str | None = None) -> str:
     """Chapter 13's GPU text: the H200 run with 16 host threads for every row (the host step beside
     DeepSpeed's), the disk row of the H200's offload run, chapter 13 executed there, and why the
     earlier H100 comparison came out the other way round."""
-    hs, disk = h200_host_step(), h200_disk_row()
-    ran = _load(H200_HOST_STEP, "chapter_13_offload.json")
+    hs, disk = h200_host_step(results), h200_disk_row(results)
+    ran = _load(H200_HOST_STEP, "chapter_13_offload.json", results)
     if hs is None or disk is None or ran is None:
         return f"No GPU results here (gpu/results/{H200_HOST_STEP} or {H200_OFFLOAD} missing)."
     m, r = hs["machine"], hs["rows"]
