@@ -14,8 +14,8 @@ that quotes a time on a cluster asks this module instead (chapters 4, 5, 8, 10 a
 2. Collectives. In the ring algorithm (chapter 4) each rank sends (N-1)/N of the tensor for a
    reduce-scatter or an all-gather, twice that for an all-reduce. Across nodes NCCL runs several
    rings at once, one or more per NIC, each leaving a node through one hop: per node the network
-   carries one rank's bytes in all, spread over every NIC, while each GPU sends the rest, (r-1)/r
-   of its bytes (r of its ranks per node), over NVLink, at the same time; the slower link sets the
+   carries one rank's bytes in all, spread over every NIC, while each GPU sends the rest, (G-1)/G
+   of its bytes (G of its ranks per node), over NVLink, at the same time; the slower link sets the
    time. NCCL's tree all-reduce moves the same bytes at 0.92 of the ring's bandwidth, with a
    latency that grows with log2(nodes) instead of N; "auto" picks the faster, as NCCL does: the
    tree for small messages across many nodes, the ring for large ones.
@@ -439,9 +439,9 @@ def min_tokens_to_hide(stage: int, psi: float, n: int, cluster: Cluster, bytes_p
 
 
 def hide_threshold_tokens(n: int, cluster: Cluster, bytes_per_element: float = 2) -> float:
-    """min_tokens_to_hide without latency, in closed form: T = (N-1)/N * F * b / (2 B).
+    """min_tokens_to_hide without latency, in closed form: T = (N-1)/N * F * c / (2 beta).
 
-    A ring collective of the 2-byte parameters sends (N-1)/N * 2 Psi bytes at the bus bandwidth B
+    A ring collective of the 2-byte parameters sends (N-1)/N * 2 Psi bytes at the bus bandwidth beta
     (ring_bus_bandwidth); the forward computes 2 Psi FLOPs per token (a third of 6 Psi) at F. They
     are equal at this T, whatever Psi. The backward has twice the bytes against twice the compute,
     the same T; and so does DDP's all-reduce against the backward.
