@@ -98,8 +98,8 @@ def exchange_blocks(buckets, n) -> list:
 
 
 def cut_exchange_bytes(buckets, n) -> int:
-    """12 (N-1) L, the bytes each rank sends per step for the matrices a shard's edge cuts:
-    buckets: [(padded size, [(offset, size, stepped whole?)])]; L: the most elements one rank holds
+    """12 (N-1) X, the bytes each rank sends per step for the matrices a shard's edge cuts:
+    buckets: [(padded size, [(offset, size, stepped whole?)])]; X: the most elements one rank holds
     of the parameters one other rank owns (the owner: the rank with the largest piece)."""
     return 12 * (n - 1) * max(max(row) for row in exchange_blocks(buckets, n))
 
@@ -296,7 +296,7 @@ def _names(engine, model):
 
 def muon_on_zero(stages=(2, 3), steps=5):
     """Muon beside AdamW on ZeRO-2 and ZeRO-3, and AdamW alone: per step, the bytes of the engine's
-    own collectives and of the exchange of the cut matrices (ledger) beside 12 (N-1) L, the
+    own collectives and of the exchange of the cut matrices (ledger) beside 12 (N-1) X, the
     optimizer's bytes on each rank, the step's time."""
     import zerolab as zl
     out = {}

@@ -132,16 +132,16 @@ def _pad(n, k):
 def closed_form(option, b, units=None, n=N, g=G):
     """Bytes one node sends per step, (across nodes, inside the node), summed over its g ranks.
 
-    b: bytes per element of the compute dtype (4 fp32, 2 bf16). For a unit of P parameters
-    (padded to a multiple of the ranks it is sharded over), s = P / N its shard:
-      a ring over all N ranks (all-gather, reduce-scatter): each rank sends (N-1) s b; one rank
-        per node (its last) sends to the next node, the g-1 others inside;
+    c: bytes per element of the compute dtype (4 fp32, 2 bf16). G ranks per node, N_node nodes.
+    For a unit of P parameters (padded to a multiple of the ranks it is sharded over), P / N the shard:
+      a ring over all N ranks (all-gather, reduce-scatter): each rank sends (N-1) (P / N) c; one rank
+        per node (its last) sends to the next node, the G-1 others inside;
       qwZ's all-gather: the same ring with each piece as int8 codes + scales, qz.wire_bytes(s, 8, 64);
-      hpZ's backward all-gather: a ring over the node's g ranks of P/g pieces: all inside;
-      qgZ: an all-to-all inside the node of g rows of m s elements (int4 + scales), each rank
-        keeping one row, then an all-to-all over the m nodes of m rows of s, keeping one;
-      HSDP: rings over the node's g ranks for both all-gathers and the reduce-scatter, then an
-        all-reduce of the 1/g shard over the m nodes, 2 (m-1)/m of it per rank, all across.
+      hpZ's backward all-gather: a ring over the node's G ranks of P/G pieces: all inside;
+      qgZ: an all-to-all inside the node of G rows of N_node P/N elements (int4 + scales), each rank
+        keeping one row, then an all-to-all over the N_node nodes of N_node rows of P/N, keeping one;
+      HSDP: rings over the node's G ranks for both all-gathers and the reduce-scatter, then an
+        all-reduce of the 1/G shard over the N_node nodes, 2 (N_node-1)/N_node of it per rank, all across.
     """
     units = unit_numels() if units is None else units
     m = n // g

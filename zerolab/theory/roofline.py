@@ -1,22 +1,22 @@
 """A training step on a roofline: compute, memory bandwidth and the network in one notation.
 
 The notation of the JAX scaling book (Austin et al., "How to Scale Your Model", 2025): an operation that
-does C FLOPs and moves M bytes to and from the GPU's memory takes at least
+does C FLOPs and moves S_HBM bytes to and from the GPU's memory takes at least (the book's notation.md)
 
-    T_math = C / F        F: the chip's FLOP/s (989e12 dense bf16 on an H100 SXM)
-    T_mem  = M / B        B: its memory bandwidth (3.35e12 bytes/s of HBM3 on an H100 SXM)
-    T_comm = S / W        W: a link's bandwidth for the S bytes a collective sends (zerolab.theory.cost_model)
+    t_math = C / F_peak        F_peak: the chip's FLOP/s (989e12 dense bf16 on an H100 SXM)
+    t_mem  = S_HBM / beta_HBM  beta_HBM: its memory bandwidth (3.35e12 bytes/s of HBM3 on an H100 SXM)
+    t_comm = S / beta          beta: a link's bandwidth for the S bytes a collective sends (zerolab.theory.cost_model)
 
-and, overlapped perfectly, max of them. An operation is compute-bound when its arithmetic intensity C / M
-exceeds F / B, about 295 FLOPs per byte on an H100; a matrix product of a (T x D) activation by a (D x F)
-weight has an intensity of about T, the tokens it multiplies, so the matrix products of training are
+and, overlapped perfectly, max of them. An operation is compute-bound when its arithmetic intensity C / S_HBM
+exceeds F_peak / beta_HBM, about 295 FLOPs per byte on an H100; a matrix product of a (T x d_0) activation by a
+(d_0 x d_1) weight has an intensity of about T, the tokens it multiplies, so the matrix products of training are
 compute-bound and LayerNorm, GELU, softmax and the optimizer's update (a few FLOPs per byte) are
 memory-bound. A step is the sum of its operations, each at its own roof:
 
-    T_step >= sum over operations of max(C_op / (e F), M_op / B)  (+ the communication not hidden)
+    t_step >= sum over operations of max(C_op / (eta F_peak), S_HBM,op / beta_HBM)  (+ the communication not hidden)
 
-with e the share of F a large matrix product reaches (a measured number: about 0.77 for bf16 on the
-book's H100). MFU, the model's FLOPs per second over F, is then at most model_flops / (F T_step).
+with eta the share of F_peak a large matrix product reaches (a measured number: about 0.77 for bf16 on the
+book's H100). MFU, the model's FLOPs per second over F_peak, is then at most model_flops / (F_peak t_step).
 
 `count_step` counts C and M op by op for one training step of a model on the meta device (shapes only,
 no arithmetic: a 7B model costs nothing to count), under a TorchDispatchMode; scaled-dot-product
@@ -167,7 +167,7 @@ class Roof:
 
     @property
     def critical_intensity(self) -> float:
-        """FLOPs per byte above which an operation is compute-bound: F / B."""
+        """FLOPs per byte above which an operation is compute-bound: F_peak / beta_HBM."""
         return self.peak_flops / self.hbm_Bps
 
 
