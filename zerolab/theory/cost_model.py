@@ -394,7 +394,9 @@ def busy_by_phase(collectives, cluster: Cluster) -> dict:
 
 def compute_seconds(psi: float, tokens_per_rank: float, cluster: Cluster) -> float:
     """6 * psi * tokens at the cluster's achieved FLOP/s: the usual count for a dense transformer
-    (attention's extra FLOPs and activation recomputation are left out, as MFU leaves them out)."""
+    (attention's extra FLOPs and activation recomputation are left out, as MFU leaves them out). psi
+    includes the embedding tables, which are looked up rather than multiplied: a few percent more
+    FLOPs than the book's GPU tables count (zerolab.book.mfu), about 3% for a 7.5B model."""
     return 6 * psi * tokens_per_rank / cluster.achieved_flops
 
 
