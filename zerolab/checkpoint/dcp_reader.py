@@ -91,8 +91,10 @@ class DcpReader:
                                   f"({DCP_METADATA} holds its {OWN_STEPS!r}) and always writes the manifest of its "
                                   "files beside it: a file was removed, so none of them can be trusted")
         if self.manifest is None and say_unverified:
-            warnings.warn(f"{path} was not written by zerolab (it has no {MANIFEST}): its files cannot be "
-                          "checked for changed bytes; it is read with checks of its structure only", stacklevel=3)
+            # (named by the call, not by a line of zerolab's: the same text wherever the library is installed)
+            warnings.warn_explicit(f"{path} was not written by zerolab (it has no {MANIFEST}): its files cannot be "
+                                   "checked for changed bytes; it is read with checks of its structure only",
+                                   UserWarning, "zl.checkpoint", 0)
 
     # ------------------------------------------------------------------ what was written
 
