@@ -109,7 +109,7 @@ def default_pages(site: Path) -> list[str]:
     # the labs' index first, then the labs in their order
     labs = sorted((str(p.relative_to(site)) for p in (site / "labs").glob("*.html")),
                   key=lambda page: (not page.endswith("/index.html"), page))
-    back = [name for name in ("notation.html", "glossary.html", "references.html") if (site / name).exists()]
+    back = [name for name in ("cheatsheet.html", "notation.html", "glossary.html", "references.html") if (site / name).exists()]
     return ["intro.html" if (site / "intro.html").exists() else "index.html", *chapters, *labs, *back]
 
 
