@@ -264,6 +264,17 @@ class ZeRO3(UnitSchedule, Engine):
     def _owned_grads(self) -> list:
         return [u.grad_shard for u in self._trained()]
 
+    def _grad_layout(self) -> tuple:
+        trained = self._trained()       # (p.grad after backward: engines.sharded_grad)
+        return ([u.buckets["train"] for u in trained],
+                [u.buckets["train"].shard(self.shard_rank) for u in trained])
+
+    def _held_grad_shards(self) -> list:
+        return [u.grad_shard for u in self._trained()]     # (offload="disk" pages none in)
+
+    def _norm_rank_and_size(self) -> tuple:
+        return self.shard_rank, self.route.shard_size
+
     def _step_grads(self) -> list:
         mixed = self.precision.policy.needs_master
         for u, g in zip(self._trained(), self._owned_grads()):
