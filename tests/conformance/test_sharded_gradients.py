@@ -111,18 +111,22 @@ def clipped_loop(kind, foreach=None, value=False):
     else:
         net, rows = wrap(kind, model), mine
     opt = torch.optim.SGD(net.parameters(), lr=0.5)
-    norms = []
+    norms, sent = [], []
     for step in range(STEPS):
         loss_of(net, rows(step)).backward()
         params = (net.module if hasattr(net, "module") else net).parameters()
+        before = net.comm.bytes() if hasattr(net, "comm") else 0
         if value:
             torch.nn.utils.clip_grad_value_(params, CLIP_VALUE, foreach=foreach)
         else:
             norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=foreach)
             norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        sent.append(net.comm.bytes() - before if hasattr(net, "comm") else None)
         opt.step()
         opt.zero_grad()
-    return norms, weights(net if kind in ("one process", "fsdp2") else net)
+    if kind not in ("one process", "fsdp2"):
+        norms = (norms, sent)
+    return norms, weights(net)
 
 
 def clip_runs():
@@ -299,6 +303,10 @@ def test_clip_grad_norm_on_model_parameters_returns_one_processs_norm_and_clips_
         for r in ranks:
             for kind in ("fsdp2",) + ENGINES[1:]:
                 got_norms, got = r["clip"][kind, foreach]
+                if kind != "fsdp2":             # what the clip sent: one fp64 number's all-reduce
+                    got_norms, sent = got_norms
+                    one = 2 * (n - 1) / n * 8 if kind.startswith("zero") else 0
+                    assert sent == [one] * STEPS, (kind, foreach, sent)
                 for a, b in zip(got_norms, norms):
                     assert math.isclose(a, b, rel_tol=1e-6), (kind, foreach, got_norms, norms)
                 assert worst(got, want) <= TOL, (kind, foreach, worst(got, want))
@@ -312,7 +320,8 @@ def test_clip_grad_value_clamps_each_piece_as_one_process_clamps_the_whole(seen)
     assert worst(want, unclipped) > 1e3 * TOL           # (the clamp changed the steps)
     for r in ranks:
         for kind in ("fsdp2", "zero1", "zero2", "zero3"):
-            _, got = r["clip"][kind, "value"]
+            sent, got = r["clip"][kind, "value"]
+            assert kind == "fsdp2" or sent[1] == [0] * STEPS, (kind, sent)   # (a clamp sends nothing)
             assert worst(got, want) <= TOL, (kind, worst(got, want))
 
 
@@ -372,3 +381,104 @@ def test_autograd_grad_with_respect_to_the_parameters_in_one_process_is_the_mode
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     with pytest.raises(RuntimeError, match="before backward"):
         engine.optimizer.step()
+
+
+# ------------------------------------------------------------------ what p.grad answers, parameter by parameter
+
+
+def per_parameter(kind):
+    """cases.Branchy (odd sizes cut at the shards' edges, a frozen layer, a tied pair, a branch that
+    steps 1 and 4 skip) on step 1: for each parameter what p.grad answers (None where no rank's
+    backward reached it), and what a read that needs values this rank lacks says."""
+    from cases import engine_for, loss_of as branchy_loss, model
+    net = model()
+    engine = engine_for(kind, net, torch.optim.SGD(net.parameters(), lr=0.1))
+    branchy_loss(engine, 1).backward()
+    out = {}
+    for name, p in engine.module.named_parameters():
+        g = p.grad
+        if g is None:
+            out[name] = None
+            continue
+        out[name] = {"norm": float(g.norm()), "l1": float(torch.linalg.vector_norm(g, 1)),
+                     "inf": float(torch.linalg.vector_norm(g, float("inf"))), "sum": float(g.sum()),
+                     "mean": float(g.mean()), "absmax": float(g.abs().max()), "max": float(g.max()),
+                     "finite": bool(g.isfinite().all()), "whole": g.full_tensor().clone()}
+    w = engine.module.a.weight.grad
+    refused = []
+    for read in (lambda: w[0, 0], lambda: w.tolist(), lambda: print(w.sum(dim=0)), lambda: torch.cat([w.view(-1)]),
+                 lambda: w.copy_(torch.ones(w.shape)), lambda: engine.module.a.weight.detach().add_(w)):
+        try:
+            read()
+            refused.append("accepted")
+        except RuntimeError as e:
+            refused.append(str(e))
+    return out, refused
+
+
+def per_parameter_runs():
+    return {kind: per_parameter(kind) for kind in ("zero1", "zero2", "zero3")}
+
+
+def fp16_norms():
+    """torch.nn.utils.clip_grad_norm_ on fp16 gradients that carry the loss scale (2^16): the
+    norm it returns, and the weights' change, on ZeRO-2 and 3 (engine.backward scales the loss)."""
+    out = {}
+    for kind in ("zero2", "zero3"):
+        net = gpt()
+        engine = wrap(kind, net, torch.optim.SGD(net.parameters(), lr=0.5), precision="fp16")
+        engine.backward(loss_of(engine, mine(0)))
+        scale = engine.precision.scale
+        norm = float(torch.nn.utils.clip_grad_norm_(engine.module.parameters(), MAX_NORM))
+        torch.nn.utils.clip_grad_value_(engine.module.parameters(), 1.0)     # (above every element)
+        out[kind] = {"norm": norm, "scale": scale, "applied": engine.step()}
+    return out
+
+
+def awkward():
+    return {"per_parameter": per_parameter_runs(), "fp16": fp16_norms()}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["N=2", "N=4"])
+def awkward_seen(request):
+    return request.param, zl.launch(awkward, request.param)
+
+
+def test_each_p_grad_answers_reductions_as_the_whole_gradient_and_none_where_no_rank_reached_it(awkward_seen):
+    from cases import batch as branchy_batch, model, takes_branch
+    n, ranks = awkward_seen
+    ref = model()                               # one process on step 1's global batch
+    x, y = branchy_batch(1)
+    nn.functional.mse_loss(ref(x, takes_branch(1)), y).backward()
+    want = dict(ref.named_parameters())
+    assert want["branch.weight"].grad is None   # (step 1 skips the branch)
+    for r in ranks:
+        for kind, (got, refused) in r["per_parameter"].items():
+            assert set(got) == set(want)
+            for name, p in want.items():
+                if p.grad is None:
+                    assert got[name] is None, (kind, name)
+                    continue
+                g = p.grad
+                expect = {"norm": g.norm(), "l1": g.abs().sum(), "inf": g.abs().max(), "sum": g.sum(),
+                          "mean": g.mean(), "absmax": g.abs().max(), "max": g.max()}
+                for key, value in expect.items():
+                    assert math.isclose(got[name][key], float(value), rel_tol=1e-5, abs_tol=1e-7), (kind, name, key)
+                assert got[name]["finite"]
+                assert float((got[name]["whole"] - g).abs().max()) <= TOL, (kind, name)
+            *reads, update = refused            # (reads of p.grad; a whole tensor updated from it)
+            for message in reads:
+                assert "p.grad under ZeRO" in message and "full_tensor()" in message, (kind, message)
+            assert "p.grad under ZeRO" in update or "sharded by ZeRO-3" in update, (kind, update)
+
+
+def test_fp16_gradients_carrying_the_loss_scale_clip_by_the_true_norm(awkward_seen):
+    n, ranks = awkward_seen
+    model = gpt()
+    loss_of(model, batch(0)).backward()         # one process, fp32, on the global batch
+    want = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+    for r in ranks:
+        for kind, seen in r["fp16"].items():
+            assert seen["scale"] > 1 and seen["applied"], (kind, seen)
+            # fp16's forward and backward: a few fp16 ulps (1e-3) of each gradient
+            assert math.isclose(seen["norm"], want, rel_tol=1e-2), (kind, seen["norm"], want)

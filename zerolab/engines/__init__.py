@@ -5,7 +5,7 @@
 Each engine is a small change of the one before it:
 
     base.Engine         what every engine does the same way (forward, backward whoever calls it,
-                        the step template, zero_grad, guards; state.EngineState: what it holds)
+                        the step template, zero_grad, misuse refused; state.EngineState: what it holds)
     single.SingleProcess    the reference: one process, one model
     naive_ddp.NaiveDDP  all-reduce each gradient after backward
     ddp.DDP             flat buckets, all-reduced while backward runs

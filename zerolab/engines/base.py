@@ -466,8 +466,9 @@ class Engine(Step, EngineState):
 
         Returns the L2 norm of the whole gradient (every rank's shard, tied weights once,
         unscaled in fp16); the next step() scales the gradients so it is at most max_norm (as
-        max_grad_norm= does at every step). Clipping model.parameters() yourself would see only
-        this rank's piece, or no gradient at all, in the sharded engines."""
+        max_grad_norm= does at every step). torch.nn.utils.clip_grad_norm_(model.parameters(),
+        max_norm) computes the same norm (under ZeRO each p.grad is a piece that knows it is sharded:
+        engines.sharded_grad) and scales the gradients at once instead."""
         check_max_grad_norm(max_norm)
         if max_norm is None or not self.life.backward_done:
             raise (ValueError("clip_grad_norm_: max_norm must be a number > 0") if max_norm is None else

@@ -424,7 +424,7 @@ def _elementwise(func, name, g, args, kwargs):
         raise RuntimeError(_refusal(g, func, f"its result would see the values times {s:g} (fp16's loss "
                                              "scale) before the step unscales them"))
     if s != 1 and _base(name) in _SCALES_NUMBERS:
-        args, kwargs = _times_scale(args, kwargs, s)
+        args, kwargs = _times_scale(args, kwargs, s, g._values(str(func)).dtype)
     piece = lambda t: (t._values(str(func)) if isinstance(t, ShardedGradient)          # noqa: E731
                        else t.full_tensor() if isinstance(t, PartialResult) else t)
     out = func(*tree_map(piece, args), **tree_map(piece, kwargs))
@@ -443,10 +443,12 @@ def _base(name: str) -> str:
 
 # Under fp16's loss scale S the values are S g. Operations after which the result is S times the
 # true result (the scale carries over), those whose numbers are scaled to match (clamp(S g, S lo,
-# S hi) = S clamp(g, lo, hi); S g > S c is g > c), and those whose boolean result carries none.
+# S hi) = S clamp(g, lo, hi); S g > S c is g > c), and those whose result carries none (isnan,
+# sign: the same for S g as for g; an overflow of S g is the step's own overflow check).
 _CARRY_SCALE = {"abs", "neg", "clone", "_to_copy", "copy", "zero", "fill", "clamp", "clamp_min", "clamp_max",
                 "mul", "div"}
 _COMPARES = {"eq", "ne", "lt", "le", "gt", "ge"}
+_SCALE_FREE = {"isnan", "isinf", "isposinf", "isneginf", "isfinite", "signbit", "sign", "sgn"}
 _SCALES_NUMBERS = {"fill", "copy", "clamp", "clamp_min", "clamp_max"} | _COMPARES
 
 
@@ -455,22 +457,27 @@ def _scale_after(name: str, grads, s):
     if s == 1:
         return 1.0
     base = _base(name)
-    if base in _COMPARES or all(t.dtype == torch.bool for t in grads):
+    if base in _COMPARES or base in _SCALE_FREE or all(t.dtype == torch.bool for t in grads):
         return 1.0
     if base in _CARRY_SCALE and not (base in ("mul", "div") and len(grads) > 1):
         return s
     return None
 
 
-def _times_scale(args, kwargs, s):
-    """The numbers of an operation on S g, in the same units (every ShardedGradient left as it is)."""
+def _times_scale(args, kwargs, s, dtype):
+    """The numbers of an operation on S g, in the same units (every ShardedGradient left as it is).
+    One beyond the largest value of the gradient's dtype is infinite there (clamping fp16 values
+    at 2^16 clamps nothing)."""
+    top = torch.finfo(dtype).max if dtype.is_floating_point else math.inf
+
     def up(v):
         if isinstance(v, bool) or v is None or isinstance(v, ShardedGradient):
             return v
         if isinstance(v, (int, float)):
-            return v * s
+            return v * s if abs(v * s) <= top else math.copysign(math.inf, v)
         if isinstance(v, torch.Tensor) and v.numel() == 1:
-            return v * s
+            scaled = v.double() * s
+            return torch.where(scaled.abs() <= top, scaled, v.double().sign() * math.inf).to(v.dtype)
         return v
     return (args[0],) + tuple(up(v) for v in args[1:]), {k: up(v) for k, v in kwargs.items()}
 

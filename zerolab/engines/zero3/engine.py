@@ -36,7 +36,7 @@ What a unit is and does (Unit: gather, wait, release, accumulate, reduce_scatter
 freeing storage by resizing it, and measure_peak, which counts those resizes) lives in
 zerolab.engines.zero3.units; WHEN they do it (hooks, prefetch order, the end of backward) is the
 mixin zerolab.engines.zero3.schedule.UnitSchedule.
-What every engine shares (backward's loss / N and guards, the step template, full_state_dict,
+What every engine shares (backward's loss / N, p.grad's pieces, the step template, full_state_dict,
 memory_report) is zerolab.engines.base.Engine's; initialising a GPT built on the meta device
 (gpt_init) is zerolab.models'.
 """
