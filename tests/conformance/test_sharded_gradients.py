@@ -1,7 +1,7 @@
 """p.grad and p under zl.ZeRO read as under FSDP2: PyTorch's own code on them runs unchanged.
 
 After a sharded backward each p.grad is this rank's piece of the averaged gradient, a tensor that
-knows it is sharded (zerolab.engines.sharded_grad), as FSDP2's are DTensors. Each test runs the
+knows it is sharded (zerolab.engines.grad_guard), as FSDP2's are DTensors. Each test runs the
 same script on FSDP2 (fully_shard on each block, then on the root), PyTorch's own
 DistributedDataParallel or one process on the global batch, and on zerolab's engines, in the same
 processes, and compares zerolab's result with theirs, never with zerolab's own:

@@ -18,7 +18,7 @@ Each engine is a small change of the one before it:
 
 and what they share: state (what an engine holds
 and reports), options (every option, checked once), setup (before training: the same model on
-every rank), param_groups (the script's optimizer, handed over), sharded_grad (p.grad under ZeRO:
+every rank), param_groups (the script's optimizer, handed over), grad_guard (p.grad under ZeRO:
 this rank's piece of the averaged gradient).
 
 The command line's --strategy, the benchmark and the chapters all build their engines here, so

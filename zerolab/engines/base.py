@@ -27,7 +27,7 @@ they travel. What does not differ lives here:
   updates. Then `_after_update` publishes the updated masters to the compute copies (`_publish`:
   a cast, an all-gather, ...);
 * after a reducing backward of a sharded engine, each p.grad is this rank's piece of the
-  averaged gradient (engines.sharded_grad.ShardedGradient: torch.nn.utils.clip_grad_norm_ on
+  averaged gradient (engines.grad_guard.ShardedGradient: torch.nn.utils.clip_grad_norm_ on
   model.parameters() gets the global norm); zero_grad() drops the gradients (`_release_grads`)
   and takes the pieces back;
 * where the engine is (forward, in backward, reduced, accumulated inside no_sync, stepped) and
@@ -64,7 +64,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..memory import PeakMemory
 from ..precision import cast_for_compute, global_norm, squared_norm
-from . import param_groups, sharded_grad
+from . import grad_guard, param_groups
 from .lifecycle import Lifecycle
 from .options import EngineOptions, check_max_grad_norm
 from .setup import broadcast_from_rank0, compiled_parts, join_data_parallel, measured_forward
@@ -357,17 +357,17 @@ class Engine(Step, EngineState):
     _handed = 0                 # how many p.grad are this backward's pieces
     _zeroed: set = frozenset()  # ... and which of them p.grad.zero_() zeroed since (their keys)
     _generation = 0             # which hand-out the pieces in p.grad come from
-    _grad_plan = None           # where each parameter's piece lies (sharded_grad.plan), once
+    _grad_plan = None           # where each parameter's piece lies (grad_guard.plan), once
     grads_in_memory = True      # offload="disk": the gradient shards are in files after backward
 
     def _hand_out_grads(self) -> None:
         """Each trained p.grad becomes this rank's piece of its averaged gradient (a view of the
-        engine's reduced shard: engines.sharded_grad); one no rank reached keeps None."""
+        engine's reduced shard: engines.grad_guard); one no rank reached keeps None."""
         if self._grad_plan is None:
-            self._grad_plan = sharded_grad.plan(*self._grad_layout())
+            self._grad_plan = grad_guard.plan(*self._grad_layout())
         scale = self.precision.scale if self.precision.scaler is not None else 1.0
         self._generation += 1
-        self._handed = sharded_grad.hand_out(self._grad_plan, self._held_grad_shards(), self._grad_reducer(),
+        self._handed = grad_guard.hand_out(self._grad_plan, self._held_grad_shards(), self._grad_reducer(),
                                              scale, self, self._unused_params(), self.grads_in_memory,
                                              self._generation)
         self._zeroed = set()
@@ -376,7 +376,7 @@ class Engine(Step, EngineState):
         """How reductions of p.grad combine: over the ranks whose shards make up the gradient."""
         if getattr(self, "_reducer", None) is None:
             rank, size = self._norm_rank_and_size()
-            self._reducer = sharded_grad.Reducer(self.comm, self.norm_group, rank, size,
+            self._reducer = grad_guard.Reducer(self.comm, self.norm_group, rank, size,
                                                  f"ZeRO-{getattr(self, 'stage', '?')}")
         return self._reducer
 
@@ -403,14 +403,14 @@ class Engine(Step, EngineState):
         ones the engine holds, as zero_grad() does. Otherwise the next backward adds to them."""
         if not self.life.guarded:
             return
-        kept = sharded_grad.count(self._trainable())
+        kept = grad_guard.count(self._trainable())
         if self._handed and kept == self._handed == len(self._zeroed):
             self.zero_grad()
             return
         if self.life.guards_left(kept, self._handed, getattr(self, "stage", "?")) == "zeroed":
             self.zero_grad()
             return
-        sharded_grad.take_back(self._trainable())
+        grad_guard.take_back(self._trainable())
         self.life.guarded = False
 
     def _watch_parameters(self) -> None:
@@ -455,7 +455,7 @@ class Engine(Step, EngineState):
         self._release_grads()
         self._drop_step_grads()
         if self.sharded:                # (only a sharded engine's backward hands out pieces)
-            sharded_grad.take_back(self._trainable())
+            grad_guard.take_back(self._trainable())
         self.life.zeroed()
 
     def _release_grads(self) -> None:
@@ -468,7 +468,7 @@ class Engine(Step, EngineState):
         unscaled in fp16); the next step() scales the gradients so it is at most max_norm (as
         max_grad_norm= does at every step). torch.nn.utils.clip_grad_norm_(model.parameters(),
         max_norm) computes the same norm (under ZeRO each p.grad is a piece that knows it is sharded:
-        engines.sharded_grad) and scales the gradients at once instead."""
+        engines.grad_guard) and scales the gradients at once instead."""
         check_max_grad_norm(max_norm)
         if max_norm is None or not self.life.backward_done:
             raise (ValueError("clip_grad_norm_: max_norm must be a number > 0") if max_norm is None else

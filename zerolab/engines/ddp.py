@@ -135,6 +135,10 @@ class DDP(NaiveDDP):
     def _flat_masters(self) -> list:
         return self.flat_masters
 
+    def _grad_layout(self) -> tuple:
+        """(ZeRO-1 and 2: p.grad after backward is a piece of the reduced slices: engines.grad_guard)"""
+        return self.buckets.buckets, self.shards
+
     # -------------------------------------------------------------- the reducer
     # Engine._begin_backward resets it (_reset_backward_state); the hooks below fill and launch
     # the buckets; the end-of-backward callback (_finish_backward) launches the rest and waits.

@@ -23,7 +23,7 @@ import contextlib
 import torch
 
 from ..memory import live_bytes, optimizer_tensors
-from . import sharded_grad
+from . import grad_guard
 
 
 def flat_segments(tensor, bucket, shard, names) -> list:
@@ -63,7 +63,7 @@ class EngineState:
     def _memory_tensors(self) -> tuple[list, list, list]:
         """(parameter tensors, gradient tensors, optimizer tensors) this rank holds now."""
         params = list(self.model.parameters())
-        grads = sharded_grad.real(p.grad for p in params)
+        grads = grad_guard.real(p.grad for p in params)
         masters = self.masters if self.masters is not self.params else []
         return params, grads, list(masters) + optimizer_tensors(self.optimizer)
 

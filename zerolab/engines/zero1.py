@@ -43,7 +43,7 @@ import torch
 
 from ..memory import live_bytes
 from ..precision import cast_for_compute
-from . import options, sharded_grad
+from . import grad_guard, options
 from .ddp import DDP
 
 
@@ -135,19 +135,16 @@ class ZeRO1(DDP):
 
     def _grad_tensors(self) -> list:
         """Every gradient tensor this rank holds now."""
-        held = sharded_grad.real(p.grad for p in self.params)
+        held = grad_guard.real(p.grad for p in self.params)
         return held + [b.grad for b in self.buckets.buckets if b.grad is not None]
 
     def _memory_tensors(self):
         params, _, optimizer = super()._memory_tensors()
-        return params, self._grad_tensors(), optimizer   # (after backward p.grad is a view of a shard)
+        return params, self._grad_tensors(), optimizer   # (after backward p.grad holds a guard)
 
     # -------------------------------------------------------------- the step (Engine._step)
     def _owned_grads(self) -> list:
         return [b.grad[s] for b, s in zip(self.buckets.buckets, self.shards)]
-
-    def _grad_layout(self) -> tuple:
-        return self.buckets.buckets, self.shards       # (p.grad after backward: engines.sharded_grad)
 
     def _publish(self):
         for b, bucket in enumerate(self.buckets.buckets):

@@ -265,7 +265,7 @@ class ZeRO3(UnitSchedule, Engine):
         return [u.grad_shard for u in self._trained()]
 
     def _grad_layout(self) -> tuple:
-        trained = self._trained()       # (p.grad after backward: engines.sharded_grad)
+        trained = self._trained()       # (p.grad after backward: engines.grad_guard)
         return ([u.buckets["train"] for u in trained],
                 [u.buckets["train"].shard(self.shard_rank) for u in trained])
 

@@ -1,4 +1,4 @@
-"""engines.sharded_grad in one process: a ShardedGradient that holds a whole gradient (one rank)
+"""engines.grad_guard in one process: a ShardedGradient that holds a whole gradient (one rank)
 answers every operation it serves as the plain tensor does, through PyTorch's own functions.
 
 Each test builds the same gradients twice, as plain tensors and as ShardedGradients over a copy,
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from zerolab.engines.sharded_grad import PartialResult, Reducer, ShardedGradient
+from zerolab.engines.grad_guard import PartialResult, Reducer, ShardedGradient
 
 ONE_RANK = Reducer(None, None, 0, 1, "ZeRO-2")
 
