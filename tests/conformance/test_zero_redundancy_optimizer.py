@@ -235,7 +235,7 @@ class SGDWithStepKWArg(torch.optim.SGD):
     """Takes a keyword at step() (torch's test_step_with_kwargs)."""
 
     def step(self, closure=None, kwarg=None):
-        super().step(closure)
+        super().step()              # (as torch's: the closure is not called)
         kwarg.append(5)
 
 
@@ -278,6 +278,7 @@ def contract():
         model(torch.randn(2, 7)).sum().backward()
         seen = []
         opt.step(kwarg=seen)
+        opt.step(0, kwarg=seen)         # (the closure goes to the inner step, which ignores it)
         out[("step kwargs", kind)] = seen
     # closure, add_param_group after a step, and a parameter without a gradient on some steps,
     # against the plain optimizer; then the consolidated state: per-parameter step counts, every
@@ -310,14 +311,124 @@ def contract():
     return out
 
 
+def state_by_parameter():
+    """SGD with momentum after one step, beside the plain SGD on the same gradients: opt.optim.state[p]
+    for the script's parameter p (its momentum_buffer: p's whole gradient where p lies in this
+    rank's slice; the piece of it the slice holds where an edge cuts it; nothing where it is
+    elsewhere); and the shares of a group added after construction."""
+    out = {}
+    torch.manual_seed(0)
+    a, b = Net(), Net()
+    b.load_state_dict(a.state_dict())
+    plain = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+    sharded = zl.ShardedOptimizer(b.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    x = torch.randn(4, 7, generator=torch.Generator().manual_seed(3))
+    for model, opt in ((a, plain), (b, sharded)):
+        model(x).pow(2).mean().backward()
+        opt.step()
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        lo, hi = sharded.views.piece[id(q)]
+        mine = sharded.optim.state[q]
+        out[name] = (plain.state[p]["momentum_buffer"].reshape(-1)[lo:hi],
+                     None if "momentum_buffer" not in mine else mine["momentum_buffer"].reshape(-1), lo, hi, q.numel())
+    # ZeroRedundancyOptimizer's add_param_group test: 45 elements, then a group of 3
+    params = [torch.rand(n, 1, requires_grad=True) for n in [9, 7, 5, 3, 9, 7, 5]]
+    opt = zl.ShardedOptimizer(params, torch.optim.SGD, lr=0.01)
+    opt.add_param_group({"params": [torch.rand(3, 1, requires_grad=True)]})
+    out["shares"] = sum(v.numel() for g in opt.optim.param_groups for v in g["params"])
+    return out
+
+
+def uneven_inputs():
+    """Rank r runs 2 + r steps inside Join([setter, opt]): a rank that ran out keeps stepping with the
+    others, its gradients set by the first joinable's hook (as ZeroRedundancyOptimizer's users do).
+    The gradient of step k is the same on every rank; the weights after the last step must be a
+    plain Adam's after 2 + N - 1 steps on those gradients."""
+    from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Net()
+    opt = zl.ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
+    grads = [[torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * k + i))
+              for i, p in enumerate(model.parameters())] for k in range(2 + n - 1)]
+    done = [0]
+
+    def set_grads():
+        for p, g in zip(model.parameters(), grads[done[0]]):
+            p.grad = g.clone()
+        done[0] += 1
+
+    class Setter(Joinable):
+        def __init__(self):
+            super().__init__()
+
+        def join_hook(self, **kwargs):
+            hook = JoinHook()
+            hook.main_hook = set_grads
+            return hook
+
+        @property
+        def join_device(self):
+            return torch.device("cpu")
+
+        @property
+        def join_process_group(self):
+            return dist.group.WORLD
+
+    setter = Setter()
+    with Join([setter, opt]):
+        for _ in range(2 + rank):
+            Join.notify_join_context(setter)
+            set_grads()
+            opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, done[0]
+
+
 def _global(step):
     from cases import batch
     return batch(step)
 
 
+def contract_and_the_rest():
+    return {**contract(), "state": state_by_parameter(), "uneven": uneven_inputs()}
+
+
 @pytest.fixture(scope="module")
 def contract_seen():
-    return zl.launch(contract, 2)
+    return zl.launch(contract_and_the_rest, 2)
+
+
+def test_the_inner_state_answers_to_the_scripts_parameters(contract_seen):
+    for r in contract_seen:
+        held = 0
+        for name, (want, got, lo, hi, numel) in ((k, v) for k, v in r["state"].items() if k != "shares"):
+            if lo == hi:
+                assert got is None or got.numel() == 0, name     # (wholly on the other rank)
+                continue
+            held += hi - lo
+            assert got is not None and torch.equal(got, want), name
+        assert held > 0
+    # every parameter's state is on exactly one rank, whole or in pieces
+    pieces = [v for r in contract_seen for k, v in r["state"].items() if k != "shares"]
+    assert sum(hi - lo for _, _, lo, hi, _ in pieces) == sum(v[4] for k, v in contract_seen[0]["state"].items()
+                                                             if k != "shares")
+    # a group added later joins its dtype's one flat buffer: each rank holds half of all 48 elements
+    assert [r["state"]["shares"] for r in contract_seen] == [24, 24]
+
+
+def test_a_rank_out_of_inputs_keeps_stepping_inside_join(contract_seen):
+    torch.manual_seed(0)
+    model = Net()
+    plain = torch.optim.Adam(model.parameters(), lr=0.01)
+    n = len(contract_seen)
+    for k in range(2 + n - 1):
+        for i, p in enumerate(model.parameters()):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * k + i))
+        plain.step()
+    for rank, (got, steps) in enumerate(r["uneven"] for r in contract_seen):
+        assert steps == 2 + n - 1, (rank, steps)
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(got[k], v, rtol=0, atol=1e-6)
 
 
 def test_constructor_errors_are_zero_redundancy_optimizers(contract_seen):
@@ -332,7 +443,7 @@ def test_constructor_errors_are_zero_redundancy_optimizers(contract_seen):
 def test_groups_sync_both_ways_and_step_takes_keywords(contract_seen):
     r = contract_seen[0]
     assert r[("new key", "sharded")] == r[("new key", "torch-zero")] == [0.1]
-    assert r[("step kwargs", "sharded")] == r[("step kwargs", "torch-zero")] == [5]
+    assert r[("step kwargs", "sharded")] == r[("step kwargs", "torch-zero")] == [5, 5]
 
 
 def test_closure_added_group_and_skipped_parameters_match_the_plain_optimizer(contract_seen):

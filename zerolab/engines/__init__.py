@@ -5,7 +5,7 @@
 Each engine is a small change of the one before it:
 
     base.Engine         what every engine does the same way (forward, backward whoever calls it,
-                        the step template, zero_grad, guards; state.EngineState: what it holds)
+                        the step template, zero_grad, misuse refused; state.EngineState: what it holds)
     single.SingleProcess    the reference: one process, one model
     naive_ddp.NaiveDDP  all-reduce each gradient after backward
     ddp.DDP             flat buckets, all-reduced while backward runs
@@ -18,7 +18,8 @@ Each engine is a small change of the one before it:
 
 and what they share: state (what an engine holds
 and reports), options (every option, checked once), setup (before training: the same model on
-every rank), param_groups (the script's optimizer, handed over), grad_guard (p.grad under ZeRO).
+every rank), param_groups (the script's optimizer, handed over), grad_guard (p.grad under ZeRO:
+this rank's piece of the averaged gradient).
 
 The command line's --strategy, the benchmark and the chapters all build their engines here, so
 a name means the same engine everywhere; zl.ZeRO(stage=k) picks among the three ZeRO stages.

@@ -7,12 +7,16 @@ they travel. What does not differ lives here:
 * calling the engine casts floating inputs to the compute dtype, runs the forward, and hooks
   its output, so the engine sees every backward through it, whoever starts it;
 * a backward is the same whether the script calls loss.backward() (PyTorch's loop) or
-  engine.backward(loss) (which only adds fp16's loss scaling): it begins where the parameters'
-  gradients begin (`_begin_backward`: misuse refused, the reducer's state reset, an
-  end-of-backward callback queued; an autograd pass that computes no parameter's gradient, such
-  as torch.autograd.grad(out.sum(), x) for a gradient penalty, is not one) and the callback ends it (`_end_backward`: the engine's `_finish_backward` waits for
-  every reduction, so when backward returns every gradient is averaged). Each reduction divides
-  by N on its way (gloo has no average), never the loss;
+  engine.backward(loss) (which only adds fp16's loss scaling). An autograd pass through the
+  engine's output opens a pass (`_open_pass`: a callback queued for its end); the backward
+  begins when autograd is about to add a gradient to a trained parameter's .grad (a pre-hook on
+  the parameter's gradient accumulator, or zl.DDP's reducer hook: `_begin_backward`, misuse
+  refused, the reducer's state reset), and the pass's end ends it (`_end_backward`: the
+  engine's `_finish_backward` waits for every reduction, so when backward returns every
+  gradient is averaged). An autograd pass that adds to no parameter's .grad is not a backward:
+  torch.autograd.grad(out.sum(), x) for a gradient penalty, and torch.autograd.grad(loss,
+  model.parameters()), which returns this rank's own gradients unreduced, as under PyTorch DDP.
+  Each reduction divides by N on its way (gloo has no average), never the loss;
 * a step is optimizer.step(), whoever calls it (engine.step() does too): PyTorch's step hooks
   run the engine's parts around the optimizer's own update (param_groups.hand_over).
   `_before_update` refuses gradients it should not apply (none, fp16 unscaled, never averaged),
@@ -22,7 +26,10 @@ they travel. What does not differ lives here:
   no rank reached keeps None, so the optimizer skips it, as one process does). The optimizer
   updates. Then `_after_update` publishes the updated masters to the compute copies (`_publish`:
   a cast, an all-gather, ...);
-* zero_grad() drops the gradients (`_release_grads`) and resets the guards;
+* after a reducing backward of a sharded engine, each p.grad is this rank's piece of the
+  averaged gradient (engines.grad_guard.ShardedGradient: torch.nn.utils.clip_grad_norm_ on
+  model.parameters() gets the global norm); zero_grad() drops the gradients (`_release_grads`)
+  and takes the pieces back;
 * where the engine is (forward, in backward, reduced, accumulated inside no_sync, stepped) and
   what each call may do is one object, engines.lifecycle.Lifecycle (`self.life`);
 * engine.optimizer is the script's torch optimizer, each parameter of its groups moved onto what
@@ -181,6 +188,7 @@ class Engine(Step, EngineState):
         model's input_ids=..., labels=...). Floating tensors are cast to the compute dtype."""
         training = torch.is_grad_enabled()
         sync_buffers, synced = self.life.forward(training)
+        self._pass_open = False         # (an autograd pass that raised never closed)
         if sync_buffers and self.broadcast_buffers:
             self._broadcast_buffers()
         dtype = self.precision.compute_dtype
@@ -214,16 +222,48 @@ class Engine(Step, EngineState):
                 t.register_hook(lambda grad, synced=synced: self._output_grad(synced))
 
     def _output_grad(self, synced: bool) -> None:
-        if not self.life.in_backward and self._reaches_parameters():
-            self._begin_backward(synced)
+        if not self.life.in_backward:
+            self._open_pass(synced)
 
-    def _reaches_parameters(self) -> bool:
-        """Will the autograd pass in progress accumulate a gradient into one of the trained
-        parameters? loss.backward() will; torch.autograd.grad(out.sum(), x) (a gradient penalty's
-        first half, a saliency map) will not: it is not a backward of the model, and the engine
-        stays out of it, as PyTorch DDP's reducer does. (torch._C._will_engine_execute_node is
-        what PyTorch's own activation checkpointing asks the same question with.)"""
-        return any(torch._C._will_engine_execute_node(node) for node in self._accumulators)
+    # An autograd pass through the engine is a backward only if it adds a gradient to a trained
+    # parameter's .grad: loss.backward() does; torch.autograd.grad(out.sum(), x) (a gradient
+    # penalty's first half) and torch.autograd.grad(loss, model.parameters()) do not (autograd
+    # hands their gradients back instead of accumulating them), and the engine stays out of them,
+    # as PyTorch DDP's reducer does. The first gradient of the engine's output opens a pass and
+    # queues a callback for its end (in the outermost pass: a reentrant checkpoint's inner pass
+    # ends before the backward does); a pre-hook on each parameter's gradient accumulator, which
+    # autograd runs only when it is about to add to p.grad, begins the backward (_param_grad);
+    # the pass's end ends it. All public hooks: Node.register_prehook, queue_callback.
+    _pass_open = False          # a pass through the engine's output is running
+    _pass_synced = True         # whether the forward it began from ran outside no_sync()
+
+    def _open_pass(self, synced: bool) -> bool:
+        """An autograd pass reached the engine (its output's gradient): True if it opened now."""
+        if self._pass_open:
+            return False
+        self._pass_open, self._pass_synced = True, synced
+        torch.autograd.Variable._execution_engine.queue_callback(self._close_pass)
+        self._pass_opened()
+        return True
+
+    def _close_pass(self) -> None:
+        """The pass's end: if it added to a parameter's .grad, the backward ends now."""
+        self._pass_open = False
+        began = self.life.in_backward
+        if began:
+            self._end_backward()
+        self._pass_closed(began)
+
+    def _pass_opened(self) -> None:
+        """A pass opened (ZeRO-3 keeps what it gathers until it knows whether it is a backward)."""
+
+    def _pass_closed(self, was_backward: bool) -> None:
+        """A pass ended (after _end_backward, if it was a backward)."""
+
+    def _backward_synced(self) -> bool:
+        """Does the backward beginning now reduce? The forward it began from decides (PyTorch
+        DDP's rule): the pass's, or no_sync()'s state where no pass opened."""
+        return self._pass_synced if self._pass_open else self.life.sync
 
     @property
     def require_backward_grad_sync(self) -> bool:
@@ -261,7 +301,8 @@ class Engine(Step, EngineState):
 
     @property
     def _in_backward(self) -> bool:
-        return self.life.in_backward
+        """Is an autograd pass through the engine running (a backward, or one that may be)?"""
+        return self.life.in_backward or self._pass_open
 
     @property
     def _reducing_now(self) -> bool:
@@ -275,6 +316,7 @@ class Engine(Step, EngineState):
         life = self.life
         life.began = False
         life.forward(True)             # (a backward that raised before is over)
+        self._pass_open = False
         life.scaling = True
         try:
             scaled.backward()
@@ -292,58 +334,103 @@ class Engine(Step, EngineState):
         self.last_backward = {"start": self.comm.now(), "compute_end": None, "end": None}
         self._exposed = False
         self._reset_backward_state()
-        if queue:
+        if queue and not self._pass_open:   # (an open pass ends it: _close_pass)
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
         """Autograd has no work left: the engine finishes its reduction (_finish_backward); then
-        step() may run, and p.grad of a sharded engine holds a guard."""
+        step() may run, and each p.grad of a sharded engine is its piece (_hand_out_grads)."""
         if self.last_backward.get("compute_end") is None:
             self.last_backward["compute_end"] = self.comm.now()
         reducing = self.life.reducing
         if reducing:
             self._finish_backward()
         self.last_backward["end"] = self.comm.now()
-        if self.sharded and reducing:   # p.grad is not what this rank updates with
-            grad_guard.hide(self._trainable(), self)
+        if self.sharded and reducing:   # what this rank updates with is a piece of each gradient
+            self._hand_out_grads()
             self.life.guarded = True
         if reducing and self.views is not None and not self.precision.policy.needs_master:
             self._expose_grads()
         self.life.backward_ended()
 
+    # -------------------------------------------------------------- p.grad under a sharded engine
+    _handed = 0                 # how many p.grad are this backward's pieces
+    _zeroed: set = frozenset()  # ... and which of them p.grad.zero_() zeroed since (their keys)
+    _generation = 0             # which hand-out the pieces in p.grad come from
+    _grad_plan = None           # where each parameter's piece lies (grad_guard.plan), once
+    grads_in_memory = True      # offload="disk": the gradient shards are in files after backward
+
+    def _hand_out_grads(self) -> None:
+        """Each trained p.grad becomes this rank's piece of its averaged gradient (a view of the
+        engine's reduced shard: engines.grad_guard); one no rank reached keeps None."""
+        if self._grad_plan is None:
+            self._grad_plan = grad_guard.plan(*self._grad_layout())
+        scale = self.precision.scale if self.precision.scaler is not None else 1.0
+        self._generation += 1
+        self._handed = grad_guard.hand_out(self._grad_plan, self._held_grad_shards(), self._grad_reducer(),
+                                             scale, self, self._unused_params(), self.grads_in_memory,
+                                             self._generation)
+        self._zeroed = set()
+
+    def _grad_reducer(self):
+        """How reductions of p.grad combine: over the ranks whose shards make up the gradient."""
+        if getattr(self, "_reducer", None) is None:
+            rank, size = self._norm_rank_and_size()
+            self._reducer = grad_guard.Reducer(self.comm, self.norm_group, rank, size,
+                                                 f"ZeRO-{getattr(self, 'stage', '?')}")
+        return self._reducer
+
+    def _norm_rank_and_size(self) -> tuple:
+        return self.rank, self.world_size
+
+    def _grad_layout(self) -> tuple:
+        """(flat buckets, this rank's slice of each): where the gradient shards come from."""
+        raise NotImplementedError
+
+    def _held_grad_shards(self) -> list:
+        """The reduced gradient shards, in _grad_layout's order (None: none since zero_grad)."""
+        return self._owned_grads()
+
+    def _grad_zeroed(self, key) -> None:
+        """p.grad.zero_() on a piece this engine handed out (Module.zero_grad(set_to_none=False))."""
+        if key[0] == self._generation and self.life.guarded:
+            self._zeroed.add(key)
+
     def _take_back_guards(self) -> None:
-        """Before a backward adds to p.grad: remove the guards. If the script removed them all
-        (model.zero_grad(), a torch optimizer's zero_grad(), p.grad = None), it zeroed the
-        gradients: drop the ones the engine holds, as zero_grad() does."""
+        """Before a backward adds to p.grad: take the pieces back. If the script zeroed them all,
+        by setting p.grad to None (model.zero_grad(), a torch optimizer's zero_grad(), p.grad =
+        None) or by p.grad.zero_() on each (set_to_none=False), it zeroed the gradients: drop the
+        ones the engine holds, as zero_grad() does. Otherwise the next backward adds to them."""
         if not self.life.guarded:
             return
-        kept = self.life.guards_left(grad_guard.count(self._trainable()), len(self._trainable()),
-                                     getattr(self, "stage", "?"))
-        if kept == "zeroed":
+        kept = grad_guard.count(self._trainable())
+        if self._handed and kept == self._handed == len(self._zeroed):
             self.zero_grad()
             return
-        grad_guard.unhide(self._trainable())
+        if self.life.guards_left(kept, self._handed, getattr(self, "stage", "?")) == "zeroed":
+            self.zero_grad()
+            return
+        grad_guard.take_back(self._trainable())
         self.life.guarded = False
 
     def _watch_parameters(self) -> None:
-        """The end of every engine's construction: a hook on each trainable parameter, run
-        BEFORE its gradient is added to p.grad, begins a backward that bypassed the output
-        hook (a loss computed from the parameters themselves, say) before p.grad is touched;
-        and each one's gradient accumulator, which _reaches_parameters asks about."""
+        """The end of every engine's construction: a pre-hook on each trainable parameter's
+        gradient accumulator, which autograd runs just BEFORE it adds a gradient to p.grad (and
+        never for torch.autograd.grad, which returns the gradient instead), begins the backward
+        before p.grad is touched, and before any reducer hook runs."""
         self._trainable_params = [p for p in self.model.parameters() if p.requires_grad]
         self._buffers_list = list(self.model.buffers())
         self._accumulators = [self._accumulator_of(p) for p in self._trainable_params]
-        if not self.reducer_begins_backward:
-            for p in self._trainable_params:
-                p.register_hook(self._param_grad)
+        for node in self._accumulators:
+            node.register_prehook(self._param_grad)
 
     def _accumulator_of(self, p):
         # (holding it keeps it the one every graph of p uses: autograd keeps it weakly)
         return get_gradient_edge(p).node
 
-    def _param_grad(self, grad):
+    def _param_grad(self, grad_outputs):
         if not self.life.in_backward:
-            self._begin_backward(self.life.sync)
+            self._begin_backward(self._backward_synced())
         return None
 
     def _trainable(self) -> list:
@@ -351,10 +438,6 @@ class Engine(Step, EngineState):
 
     _trainable_params: list = []
     _accumulators: list = []
-    # zl.DDP: its reducer's hook on every parameter (after the gradient is added to p.grad)
-    # begins a backward that bypassed the output hook, since nothing has to happen to p.grad
-    # before (no guards: not sharded); one Python call per parameter and backward fewer
-    reducer_begins_backward = False
     _buffers_list: list = []
 
     # What an engine's reducer does (the defaults: nothing to reduce, one process).
@@ -371,8 +454,8 @@ class Engine(Step, EngineState):
         and so, under a sharded engine, is model.zero_grad() (_take_back_guards)."""
         self._release_grads()
         self._drop_step_grads()
-        if self.sharded:                # (only a sharded engine's backward puts guards in p.grad)
-            grad_guard.unhide(self._trainable())
+        if self.sharded:                # (only a sharded engine's backward hands out pieces)
+            grad_guard.take_back(self._trainable())
         self.life.zeroed()
 
     def _release_grads(self) -> None:
@@ -383,8 +466,9 @@ class Engine(Step, EngineState):
 
         Returns the L2 norm of the whole gradient (every rank's shard, tied weights once,
         unscaled in fp16); the next step() scales the gradients so it is at most max_norm (as
-        max_grad_norm= does at every step). Clipping model.parameters() yourself would see only
-        this rank's piece, or no gradient at all, in the sharded engines."""
+        max_grad_norm= does at every step). torch.nn.utils.clip_grad_norm_(model.parameters(),
+        max_norm) computes the same norm (under ZeRO each p.grad is a piece that knows it is sharded:
+        engines.grad_guard) and scales the gradients at once instead."""
         check_max_grad_norm(max_norm)
         if max_norm is None or not self.life.backward_done:
             raise (ValueError("clip_grad_norm_: max_norm must be a number > 0") if max_norm is None else

@@ -71,12 +71,6 @@ class DDP(NaiveDDP):
     overlap_default = True      # launch each bucket as soon as it is full
     reduces_in_no_sync = False  # inside no_sync gradients only accumulate (ZeRO-2 differs)
 
-    @property
-    def reducer_begins_backward(self) -> bool:
-        # (Engine._watch_parameters) no guards to take back, and this class's own hook (a lab's
-        # reducer that does not begin backwards keeps the engine's hook before each gradient)
-        return not self.sharded and type(self)._on_grad_ready is DDP._on_grad_ready
-
     takes = options.BUCKETED    # NaiveDDP's options, and bucket_mb, overlap
 
     def _read_options(self, opts, model) -> None:
@@ -141,6 +135,10 @@ class DDP(NaiveDDP):
     def _flat_masters(self) -> list:
         return self.flat_masters
 
+    def _grad_layout(self) -> tuple:
+        """(ZeRO-1 and 2: p.grad after backward is a piece of the reduced slices: engines.grad_guard)"""
+        return self.buckets.buckets, self.shards
+
     # -------------------------------------------------------------- the reducer
     # Engine._begin_backward resets it (_reset_backward_state); the hooks below fill and launch
     # the buckets; the end-of-backward callback (_finish_backward) launches the rest and waits.
@@ -154,8 +152,6 @@ class DDP(NaiveDDP):
     def _on_grad_ready(self, p):
         # The hot path: it runs once per parameter per backward, so it does as little as it can
         # (plain attributes and lists indexed by position: a CPU rank pays for every Python step).
-        if not self.life.in_backward:    # (zl.DDP: a backward that bypassed the output hook)
-            self._begin_backward(self.life.sync)
         b, i, k = self._slot[id(p)]
         reducing = self.life.reducing
         if reducing and b < self._next and self._counted[k]:

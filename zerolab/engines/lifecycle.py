@@ -13,11 +13,11 @@ TrainingState), and the transitions, not scattered flags, decide what each call 
 and beside the phase, what the transitions remember: whether the script is inside no_sync()
 (`sync`), inside engine.backward (`scaling`: fp16 scaled the loss), whether a reducing backward
 ran since zero_grad (`reduced`), whether fp16 gradients came from a bare loss.backward()
-(`unscaled`), whether p.grad holds the sharded engines' guards (`guarded`), PyTorch DDP's buffer
+(`unscaled`), whether p.grad holds a sharded engine's pieces (`guarded`), PyTorch DDP's buffer
 rule (`buffers_next`) and a clip asked for the next step (`clip_next`).
 
 The engine (engines.base.Engine) calls a transition at each of those moments and does the work
-(reducing, hiding guards, stepping); this object owns the decisions and the errors.
+(reducing, handing out the pieces, stepping); this object owns the decisions and the errors.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Lifecycle:
         self.reducing = True            # does the backward in progress (or the last) reduce?
         self.reduced = False            # a reducing backward ran since zero_grad
         self.unscaled = False           # fp16: a backward ran without engine.backward since zero_grad
-        self.guarded = False            # p.grad holds guards (sharded engines, after a reducing backward)
+        self.guarded = False            # p.grad holds pieces (sharded engines, after a reducing backward)
         self.buffers_next = True        # broadcast rank 0's buffers at the next forward
         self.clip_next = None           # max_norm of a clip_grad_norm_() call, for the next step
 
@@ -149,13 +149,13 @@ class Lifecycle:
     def stepped(self) -> None:
         self.phase = Phase.STEPPED      # (reduced stays until zero_grad: see backward_began)
 
-    # -------------------------------------------------------------- zero_grad and the guards
+    # -------------------------------------------------------------- zero_grad and the pieces in p.grad
     def zeroed(self) -> None:
         self.phase = Phase.IDLE
         self.reduced = self.unscaled = self.guarded = False
 
     def guards_left(self, kept: int, total: int, stage) -> str:
-        """A backward begins while p.grad holds guards: "zeroed" if the script removed them all
+        """A backward begins while p.grad holds the pieces: "zeroed" if the script removed them all
         (model.zero_grad(), p.grad = None: it zeroed the gradients), "kept" if it removed none
         (the gradients accumulate); some but not all is refused."""
         if kept == 0:

@@ -115,6 +115,7 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
 
     offload = "disk"
     awaits_optimizer = False            # the views are cut as the units go to their files: pass it in
+    grads_in_memory = False             # p.grad after backward: shape and dtype; its values are in files
 
     takes = ZeRO3.takes + options.OFFLOAD
     unit_class = DiskUnit

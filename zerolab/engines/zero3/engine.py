@@ -36,7 +36,7 @@ What a unit is and does (Unit: gather, wait, release, accumulate, reduce_scatter
 freeing storage by resizing it, and measure_peak, which counts those resizes) lives in
 zerolab.engines.zero3.units; WHEN they do it (hooks, prefetch order, the end of backward) is the
 mixin zerolab.engines.zero3.schedule.UnitSchedule.
-What every engine shares (backward's loss / N and guards, the step template, full_state_dict,
+What every engine shares (backward's loss / N, p.grad's pieces, the step template, full_state_dict,
 memory_report) is zerolab.engines.base.Engine's; initialising a GPT built on the meta device
 (gpt_init) is zerolab.models'.
 """
@@ -263,6 +263,17 @@ class ZeRO3(UnitSchedule, Engine):
 
     def _owned_grads(self) -> list:
         return [u.grad_shard for u in self._trained()]
+
+    def _grad_layout(self) -> tuple:
+        trained = self._trained()       # (p.grad after backward: engines.grad_guard)
+        return ([u.buckets["train"] for u in trained],
+                [u.buckets["train"].shard(self.shard_rank) for u in trained])
+
+    def _held_grad_shards(self) -> list:
+        return [u.grad_shard for u in self._trained()]     # (offload="disk" pages none in)
+
+    def _norm_rank_and_size(self) -> tuple:
+        return self.shard_rank, self.route.shard_size
 
     def _step_grads(self) -> list:
         mixed = self.precision.policy.needs_master

@@ -144,18 +144,32 @@ class UnitSchedule:
                                f"(this rank: {[self._fwd_counts[u.index] for u in self.units]}). "
                                "Every rank must call every unit the same number of times.")
 
+    # Which autograd pass is a backward is known only when autograd first adds a gradient to a
+    # parameter's .grad (Engine._param_grad), after the first units are gathered for it. Until then
+    # the units a pass gathers stay gathered (a tentative hold); the backward's beginning lifts
+    # the hold. A pass that ends without one keeps it: torch.autograd.grad(out.sum(), x,
+    # create_graph=True), a gradient penalty's first half, is not a backward of the model, but its
+    # graph holds the gathered weights it went through, and the backward to come reads them there.
+    # Every unit then stays gathered until that backward ends (_finish_backward), or until the next
+    # forward (which gathers and releases each unit as usual: a penalty is taken on the forward it
+    # belongs to). torch.autograd.grad(loss, model.parameters()) is the same kind of pass.
+    _hold_tentative = False
+
+    def _pass_opened(self):
+        if not self._held_for_graph:
+            self._held_for_graph = self._hold_tentative = True
+
+    def _begin_backward(self, synced, queue=True):
+        super()._begin_backward(synced, queue)
+        if self._hold_tentative:        # a backward after all: units are released as it goes
+            self._held_for_graph = self._hold_tentative = False
+
+    def _pass_closed(self, was_backward):
+        self._hold_tentative = False    # (no backward began: the hold stays, for the graph)
+
     def _pre_backward(self, u):
         if not self._in_backward:
-            if self._reaches_parameters():  # the first hook of a backward (the root's output):
-                self._begin_backward(True)  # the end-of-backward callback is queued (Engine)
-            else:
-                # torch.autograd.grad(out.sum(), x, create_graph=True), a gradient penalty's first
-                # half: not a backward of the model, but its graph holds the gathered weights it
-                # went through, and the backward to come will read them there. Every unit stays
-                # gathered until that backward ends (_finish_backward), or until the next forward
-                # (which gathers and releases each unit as usual: a penalty is taken on the
-                # forward it belongs to)
-                self._held_for_graph = True
+            self._open_pass(self.life.sync)     # (the root's output: before the engine's hook)
         if u.reduced:
             return
         if not u.in_backward:

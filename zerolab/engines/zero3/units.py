@@ -14,9 +14,12 @@ the tensor itself must stay. Resizing a storage is not an operation the CPU allo
 sees, so measure_peak counts it.
 
 Reading a parameter whose storage is 0 bytes would read freed memory (print(p) can kill the
-process). So while its unit is released a parameter's class is ReleasedParameter: its shape,
-dtype and gradient can be looked at, anything that reads its values raises an error that says
-where the values are. Gathering turns it back into a plain nn.Parameter, at no cost to forward.
+process). So while its unit is released a parameter's class is ReleasedParameter: what FSDP2's
+sharded parameters answer between forwards can be looked at (p.shape, p.dtype, p.numel(),
+p.data.shape, p.grad, requires_grad, hooks; torch.autograd.grad(loss, params) may name it), and
+anything that reads its values raises an error that says where the values are; p.data is a
+ReleasedValues, which refuses the same reads while the storage is freed. Gathering turns the
+parameter back into a plain nn.Parameter, at no cost to forward.
 """
 
 from __future__ import annotations
@@ -288,29 +291,57 @@ class ReleasedParameter(nn.Parameter):
     requires_grad, hooks); any operation that reads its values raises instead of reading freed
     memory. Only Unit changes a parameter's class to this one and back (mark_released)."""
 
-    # the methods that look at a tensor without reading its elements
+    # the methods that look at a tensor without reading its elements (and autograd's entry
+    # points, which only name the parameters: the units' hooks gather what the pass needs)
     LOOKS = frozenset({"size", "dim", "numel", "nelement", "element_size", "stride", "storage_offset",
                        "is_contiguous", "is_floating_point", "is_complex", "get_device", "data_ptr",
                        "untyped_storage", "requires_grad_", "register_hook", "_is_view",
-                       "register_post_accumulate_grad_hook", "__len__", "__setstate__"})
+                       "register_post_accumulate_grad_hook", "__len__", "__setstate__", "grad", "backward"})
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        # properties come as __get__ / __set__ of a descriptor: all are metadata except reading .data
+        # properties come as __get__ / __set__ of a descriptor: all are metadata except .data,
+        # whose values are guarded in turn (p.data.shape is the parameter's, as under FSDP2)
         prop = getattr(getattr(func, "__self__", None), "__name__", "")
-        looks = name in cls.LOOKS or (name in ("__get__", "__set__") and not (prop == "data" and name == "__get__"))
-        if not looks:
-            raise RuntimeError(
-                f"this parameter is sharded by ZeRO-3 and not gathered now ({prop or name} would read "
-                "its values, but this rank holds only its 1/N shard). Read full weights inside "
-                "`with engine.gathered_parameters():`, take engine.full_state_dict() (every rank "
-                "calls it), save with zl.checkpoint.save(engine, path), write weights with "
-                "engine.load_state_dict(sd), clip with engine.clip_grad_norm_(max_norm), and step "
-                "with the engine's optimizer (the one passed to zl.ZeRO; one built on "
-                "model.parameters() outside the engine would update a released parameter).")
+        if not (name in cls.LOOKS or name in ("__get__", "__set__")):
+            raise RuntimeError(_released_message(prop or name))
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+        if prop == "data" and name == "__get__":
+            out = out.as_subclass(ReleasedValues)
+        return out
+
+
+class ReleasedValues(torch.Tensor):
+    """p.data of a ZeRO-3 parameter while its unit is released: its shape, dtype and device can be
+    looked at; reading its values is refused while its storage is freed (after a gather they are
+    there, and it reads them as any tensor)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        prop = getattr(getattr(func, "__self__", None), "__name__", "")
+        with torch._C.DisableTorchFunctionSubclass():
+            held = all(_allocated(t) for t in args if isinstance(t, ReleasedValues))
+            if name in ReleasedParameter.LOOKS or name in ("__get__", "__set__") or held:
+                return func(*args, **(kwargs or {}))
+        raise RuntimeError(_released_message(prop or name))
+
+
+def _allocated(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
+
+
+def _released_message(what: str) -> str:
+    return (f"this parameter is sharded by ZeRO-3 and not gathered now ({what} would read its values, "
+            "but this rank holds only its 1/N shard). Read full weights inside "
+            "`with engine.gathered_parameters():`, take engine.full_state_dict() (every rank calls "
+            "it), save with zl.checkpoint.save(engine, path), write weights with "
+            "engine.load_state_dict(sd), and step with the engine's optimizer (the one passed to "
+            "zl.ZeRO; one built on model.parameters() outside the engine would update a released "
+            "parameter). Its shape, dtype and p.grad can be read: torch.nn.utils.clip_grad_norm_("
+            "model.parameters(), max_norm) works.")
 
 
 def mark_released(params, released: bool) -> None:
