@@ -76,7 +76,7 @@ def train(stage=3):
         x, y = x[rank * rows:(rank + 1) * rows].to(device), y[rank * rows:(rank + 1) * rows].to(device)
         loss = F.cross_entropy(engine(x).flatten(0, 1).float(), y.flatten())
         loss.backward()                               # the engine averages the gradients over the ranks
-        engine.clip_grad_norm_(1.0)                   # the norm of the whole gradient, across the shards
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

@@ -210,9 +210,7 @@ ROWS = {
     "torch.save(model.state_dict())":
         (save_model_state_dict, {**{n: "ok" for n in ALL},
                                  "zero3": "inside: ok; outside: model.state_dict() under ZeRO-3"}),
-    "torch.nn.utils.clip_grad_norm_(model.parameters()) before step()":
-        (user_side_clip, {**{n: "ok" for n in ("single", "naive", "ddp")},
-                          **{n: "engine.clip_grad_norm_" for n in ("zero1", "zero2", "zero3")}}),
+    "torch.nn.utils.clip_grad_norm_(model.parameters()) before step()": (user_side_clip, {n: "ok" for n in ALL}),
     "nanoGPT's decay / no-decay groups": (nanogpt_groups, {n: "ok" for n in ALL}),
     "BatchNorm with precision='bf16'": (batchnorm_in_bf16, {n: "ok" for n in ALL}),
     "BatchNorm buffers over steps": (batchnorm_buffers_over_steps, {n: "ok" for n in DP}),

@@ -21,7 +21,7 @@ tolerance for fp32 round-off, while matrices stepped in pieces instead of whole 
 
 Also checked in the same launch: the optimizer's state dict is the whole model's (each cut matrix's
 Muon momentum and Adafactor statistics whole, from its owner), a run resumed from it lands where the
-uninterrupted one does, and the bytes of the two exchanges are 12 (N-1) L per step, L computed here
+uninterrupted one does, and the bytes of the two exchanges are 12 (N-1) X per step, X computed here
 from the engine's flat layout (not by the engine).
 """
 
@@ -110,7 +110,7 @@ def _reference(optimizer, steps):
 
 
 def cut_exchange_bytes(buckets, n, whole) -> int:
-    """12 (N-1) L: L the most elements one rank holds of the whole-stepped parameters another one
+    """12 (N-1) X: X the most elements one rank holds of the whole-stepped parameters another one
     owns (the owner: the rank with the largest piece, the lowest on a tie). buckets: (padded
     size, [(offset, size, stepped whole?)]) of each flat buffer."""
     held: dict = {}
@@ -271,7 +271,7 @@ def test_every_sharded_engine_steps_whole_matrices_as_one_process(seen, optimize
                 assert worst(state, want_by_name) <= TOL, (name, order, n, worst(state, want_by_name))
                 if "resumed" in got:
                     assert worst(got["resumed"], resumed) <= TOL, (name, n, worst(got["resumed"], resumed))
-                # the exchanges' bytes: the ledger's against 12 (N-1) L (no exchange under zl.DDP)
+                # the exchanges' bytes: the ledger's against 12 (N-1) X (no exchange under zl.DDP)
                 assert got["sent"] == got["predicted"], (name, order, n, rank, got["sent"], got["predicted"])
     assert worst(want, weights(model())) > 100 * TOL     # (it trained: the comparison can fail)
     zero3 = [r[("zero3", optimizer, "given first")]["sent"] for r in results]

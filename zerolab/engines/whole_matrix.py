@@ -20,13 +20,13 @@ boundary matrices:
   rank that holds it, which writes it into its master slice. The engine's usual all-gather
   (ZeRO-1 and 2) or the next forward's gather (ZeRO-3) then spreads it as always.
 
-An all-to-all with equal blocks: L is the largest number of elements that one rank holds of the
-parameters owned by one other rank. The first moves 2L fp32 values per block (gradient and
-value), the second L, so each rank sends, by the ring accounting of zerolab.comm,
+An all-to-all with equal blocks: X is the largest number of elements that one rank holds of the
+parameters owned by one other rank. The first moves 2X fp32 values per block (gradient and
+value), the second X, so each rank sends, by the ring accounting of zerolab.comm,
 
-    (N-1)/N * N * 2L * 4  +  (N-1)/N * N * L * 4  =  12 (N-1) L   bytes per step
+    (N-1)/N * N * 2X * 4  +  (N-1)/N * N * X * 4  =  12 (N-1) X   bytes per step
 
-on top of the engine's own collectives. L is at most the largest cut parameter; for a model
+on top of the engine's own collectives. X is at most the largest cut parameter; for a model
 whose matrices are small beside a shard it is a small fraction of one matrix.
 
 Every parameter the optimizer steps parameter by parameter (AdamW beside Muon, in a

@@ -32,16 +32,17 @@ collectives travels (units.Unit asks this Route), never what the unit ends up ho
   gradient is reduce-scattered in the node, then all-reduced across nodes on the 1/g shard.
   Memory: model states / g per rank instead of / N.
 
-Bytes per step per node that cross nodes, Psi the parameters (padded), b bytes per element of
-the compute dtype, N ranks on m nodes of g, q8 = 1 + 4/64 and q4 = 1/2 + 4/32 the bytes
-per element of int8 / int4 codes with their scales (tests/test_zeropp.py derives each):
+Bytes per step per node that cross nodes, Psi the parameters (padded), c bytes per element of
+the compute dtype, N ranks on N_node nodes of G, q8 = 1 + 4/64 and q4 = 1/2 + 4/32 the bytes
+per element of int8 / int4 codes with their scales (tests/test_zeropp.py derives each; the
+letters are the book's notation.md):
 
-    ZeRO-3            3 (N-1)/N Psi b
-    qwZ               2 (N-1)/N Psi q8        +   (N-1)/N Psi b
-    hpZ               2 (N-1)/N Psi b                                  (backward: 0)
-    qgZ               2 (N-1)/N Psi b         +   (m-1)/m Psi q4
-    qwZ + hpZ + qgZ     (N-1)/N Psi q8        +   (m-1)/m Psi q4
-    HSDP              2 (m-1)/m Psi b                                  (the all-reduce of the grads)
+    ZeRO-3            3 (N-1)/N Psi c
+    qwZ               2 (N-1)/N Psi q8        +   (N-1)/N Psi c
+    hpZ               2 (N-1)/N Psi c                                  (backward: 0)
+    qgZ               2 (N-1)/N Psi c         +   (N_node-1)/N_node Psi q4
+    qwZ + hpZ + qgZ     (N-1)/N Psi q8        +   (N_node-1)/N_node Psi q4
+    HSDP              2 (N_node-1)/N_node Psi c                        (the all-reduce of the grads)
 """
 
 from __future__ import annotations
