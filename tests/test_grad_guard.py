@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from zerolab.engines.grad_guard import PartialResult, Reducer, ShardedGradient
+from zerolab.engines.grad_guard import ShardedGradient
+from zerolab.engines.partial_result import PartialResult, Reducer
 
 ONE_RANK = Reducer(None, None, 0, 1, "ZeRO-2")
 

@@ -65,6 +65,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..memory import PeakMemory
 from ..precision import cast_for_compute, global_norm, squared_norm
 from . import grad_guard, param_groups
+from .partial_result import Reducer
 from .lifecycle import Lifecycle
 from .options import EngineOptions, check_max_grad_norm
 from .setup import broadcast_from_rank0, compiled_parts, join_data_parallel, measured_forward
@@ -376,8 +377,7 @@ class Engine(Step, EngineState):
         """How reductions of p.grad combine: over the ranks whose shards make up the gradient."""
         if getattr(self, "_reducer", None) is None:
             rank, size = self._norm_rank_and_size()
-            self._reducer = grad_guard.Reducer(self.comm, self.norm_group, rank, size,
-                                                 f"ZeRO-{getattr(self, 'stage', '?')}")
+            self._reducer = Reducer(self.comm, self.norm_group, rank, size, f"ZeRO-{getattr(self, 'stage', '?')}")
         return self._reducer
 
     def _norm_rank_and_size(self) -> tuple:

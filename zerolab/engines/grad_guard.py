@@ -62,8 +62,7 @@ import math
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .partial_result import (PartialResult, Reducer, combine, combine_op, finish, identity, meta_out,
-                             over_every_element, reduction_kind)
+from .partial_result import PartialResult, identity, meta_out, over_every_element, reduction_kind
 
 aten = torch.ops.aten
 
