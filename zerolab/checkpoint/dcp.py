@@ -61,8 +61,8 @@ import torch
 from . import unpickle
 from .atomic import replace_directory, signals_held, stopping_cleanly, write_atomically
 from .dcp_reader import MANIFEST_FORMAT, DcpReader
-from .files import (DCP_METADATA, MANIFEST, CheckpointError, check_other_format, encode_metadata, file_digest,
-                    not_checkpoint_files)
+from .files import (DCP_METADATA, MANIFEST, CheckpointError, check_only_checkpoint_files, check_other_format,
+                    encode_metadata, file_digest)
 from .ranks import check_same_checkpoint, dist_rank, refuse_together
 
 MODEL_KEY, OPTIM_KEY, OWN_KEY = "model", "optim", "zerolab"
@@ -128,11 +128,7 @@ def _check_target(path: str, replace: bool) -> None:
     if not os.path.isdir(path):
         return
     check_other_format(path, "dcp", replace)
-    others = not_checkpoint_files(path)
-    if others:
-        raise CheckpointError(f"{path}: holds files that are not a checkpoint's ({', '.join(others[:3])}"
-                              f"{', ...' if len(others) > 3 else ''}); a DCP save replaces the whole directory, "
-                              "so it saves into a directory of its own")
+    check_only_checkpoint_files(path)
 
 
 def _write(state: dict, path: str, steps: int, kind: str, world_size: int) -> None:

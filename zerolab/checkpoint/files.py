@@ -256,9 +256,15 @@ def check_other_format(path: str, fmt: str, replace: bool) -> bool:
             f"{path}: holds a checkpoint in {names[other]}; a save in {names[fmt].split(' (')[0]} there would "
             "leave two checkpoints in one directory. Save into another directory, or pass replace=True to "
             "replace it (the old one stays whole until the new one is complete)")
+    check_only_checkpoint_files(path)
+    return True
+
+
+def check_only_checkpoint_files(path: str) -> None:
+    """A save that replaces directory `path` whole (a DCP save, or replace=True) would take any other
+    file in it along: refused (CheckpointError) unless it holds a checkpoint's files only."""
     others = not_checkpoint_files(path)
     if others:
         raise CheckpointError(f"{path}: holds files that are not a checkpoint's ({', '.join(others[:3])}"
-                              f"{', ...' if len(others) > 3 else ''}); replacing the checkpoint there replaces "
-                              "the whole directory, so it is refused: save into a directory of its own")
-    return True
+                              f"{', ...' if len(others) > 3 else ''}); a save there replaces the whole directory, "
+                              "so it is refused: save into a directory of its own")
