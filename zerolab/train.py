@@ -223,7 +223,9 @@ def _follow_progress(queue, total, stop):
     done = 0
     while done < total:
         try:
-            step, loss = queue.get(timeout=0.2)
+            # (once the ranks are done, wait a moment longer: rank 0's last message may still be
+            # on its way through the queue's pipe)
+            step, loss = queue.get(timeout=2.0 if stop.is_set() else 0.2)
         except Exception:  # queue.Empty, or the queue closed under us
             if stop.is_set():
                 break      # (only once the queue is empty: rank 0's last steps are drawn too)
@@ -256,7 +258,7 @@ def run(cfg: TrainConfig, show_progress: bool = True) -> list:
                       collective_timeout=cfg.collective_timeout)
     finally:
         stop.set()
-        follower.join(2.0)
+        follower.join(5.0)
 
 
 def _resume_step(cfg) -> int:
