@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from zerolab.buckets import FlatBuckets, bucket_order
-from zerolab.engines.param_views import ParamViews
+from zerolab.optim.param_views import ParamViews
 from zerolab.models import AwkwardModel, GPT, gpt_config
 
 

@@ -43,8 +43,8 @@ _LAZY = {
     "ZeRO1": ("zerolab.engines.zero1", "ZeRO1"),
     "ZeRO2": ("zerolab.engines.zero2", "ZeRO2"),
     "ZeRO3": ("zerolab.engines.zero3", "ZeRO3"),
-    "ShardedOptimizer": ("zerolab.sharded_optimizer", "ShardedOptimizer"),   # ZeRO-1's optimizer half
-    "CombinedOptimizer": ("zerolab.combined_optimizer", "CombinedOptimizer"),   # Muon + AdamW as one
+    "ShardedOptimizer": ("zerolab.optim.sharded_optimizer", "ShardedOptimizer"),   # ZeRO-1's optimizer half
+    "CombinedOptimizer": ("zerolab.optim.combined_optimizer", "CombinedOptimizer"),   # Muon + AdamW as one
     "count_tokens": ("zerolab.token_loss", "count_tokens"), "token_weighted_loss": ("zerolab.token_loss", "token_weighted_loss"),
 }
 

@@ -23,7 +23,38 @@ PyTorch's optimizers do, while the collectives move whole buckets.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class Piece(NamedTuple):
+    """The part of one parameter that lies in a slice of a flat buffer: buffer elements
+    [start, stop), empty (start == stop) when none of it does."""
+    param: torch.Tensor
+    offset: int                 # where the parameter begins in the buffer
+    numel: int
+    start: int
+    stop: int
+    slice_start: int            # where the slice begins in the buffer
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def whole(self) -> bool:
+        return self.size == self.numel
+
+    @property
+    def in_slice(self) -> tuple:
+        """(lo, hi): where the piece lies in the slice."""
+        return self.start - self.slice_start, self.stop - self.slice_start
+
+    @property
+    def in_param(self) -> tuple:
+        """(lo, hi): which elements of the flattened parameter the piece holds."""
+        return self.start - self.offset, self.stop - self.offset
 
 
 class Bucket:
@@ -53,6 +84,19 @@ class Bucket:
         """The contiguous slice of the padded buffer that rank `rank` owns."""
         size = self.padded_numel // self.world_size
         return slice(rank * size, (rank + 1) * size)
+
+    def piece(self, i: int, part: slice) -> Piece:
+        """Where parameter i meets slice `part` of the buffer (a shard). An empty piece sits at
+        the slice's edge nearest the parameter, so its place in the slice is still valid."""
+        o, n = self.offsets[i], self.sizes[i]
+        lo, hi = max(o, part.start), min(o + n, part.stop)
+        if lo >= hi:
+            lo = hi = max(min(o, part.stop), part.start)
+        return Piece(self.params[i], o, n, lo, hi, part.start)
+
+    def pieces(self, part: slice) -> list:
+        """Where every parameter meets slice `part` of the buffer, in the bucket's order."""
+        return [self.piece(i, part) for i in range(len(self.params))]
 
     def flat_copy(self, dtype=None) -> torch.Tensor:
         """A new padded flat buffer holding the parameters' current values (padding = 0)."""

@@ -31,7 +31,7 @@ from ..engines.setup import broadcast_from_rank0
 from ..launch import rank as _rank, world_size as _world_size
 from ..memory import live_bytes, model_state_bytes, optimizer_tensors
 from ..models import GPT, gpt_config, gpt_loss, num_params
-from ..engines.setup import build_optimizer
+from ..optim.checks import build_optimizer
 
 
 class AllReduceZeRO1:
@@ -54,7 +54,7 @@ class AllReduceZeRO1:
             flat[:p.numel()] = p.detach().reshape(-1)
             self.slices.append((sl, padded))
             self.shards.append(flat[sl].clone())   # this rank's fp32 slice: the optimizer's
-        self.optimizer = build_optimizer(optimizer, self.shards, "fp32")
+        self.optimizer = build_optimizer(optimizer, self.shards)
 
     def __call__(self, *inputs):
         return self.model(*inputs)
@@ -243,7 +243,7 @@ def run_optimizer_half(steps: int = 3, size: str = "nano"):
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
-    from ..sharded_optimizer import ShardedOptimizer
+    from ..optim.sharded_optimizer import ShardedOptimizer
     data = CharDataset(32)
     r, n = dist.get_rank(), dist.get_world_size()
     out = {}

@@ -79,7 +79,7 @@ def check_own_format(engine, action: str) -> None:
     """zerolab's own format keeps each piece's optimizer state element by element; Muon's and
     Adafactor's state of a matrix is whole, on the rank that steps it (engines.whole_matrix), and
     Adafactor's is not per element at all. Refused, naming the format that holds it."""
-    from ..engines.whole_matrix import whole_ids
+    from ..optim.whole_matrix import whole_ids
     if getattr(engine, "optimizer", None) is not None and whole_ids(engine.optimizer):
         raise CheckpointError(
             f"zl.checkpoint.{action}: zerolab's format keeps optimizer state element by element, and "

@@ -64,7 +64,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..memory import PeakMemory
 from ..precision import cast_for_compute, global_norm, squared_norm
-from . import grad_guard, param_groups
+from ..optim import param_groups
+from . import grad_guard
 from .partial_result import Reducer
 from .lifecycle import Lifecycle
 from .options import EngineOptions, check_max_grad_norm
@@ -100,7 +101,6 @@ class Engine(Step, EngineState):
     # only, beside the other slices' local ones (it refuses, naming zero_grad and no_sync).
     accumulates_after_reduce = True
     reduces_in_no_sync = False  # ZeRO-2 and 3 reduce every backward (no full gradient to keep)
-    flat_optimizer = None       # the engine's name if the optimizer may see cut parameters (ZeRO)
     takes: tuple = ()           # the option names it takes (zerolab.engines.options)
     optimizer = None            # the script's torch optimizer, handed over (None: DDP without one)
     track_activations = False   # measure the activations each forward leaves (engines.setup)
@@ -132,7 +132,7 @@ class Engine(Step, EngineState):
         # the optimizer sees the model's parameters, so its parameter groups can tell them apart
         state = None
         if optimizer is not None:
-            self.optimizer, state = param_groups.build(optimizer, model, t.precision, self.flat_optimizer)
+            self.optimizer, state = param_groups.build(optimizer, model)
         self._lay_out(model)
         if self.optimizer is not None:
             self._place_groups()

@@ -48,7 +48,7 @@ import torch
 from ..buckets import FlatBuckets
 from ..precision import cast_for_compute
 from . import options
-from .param_views import ParamViews
+from ..optim.param_views import ParamViews
 from .state import flat_segments
 from .naive_ddp import NaiveDDP
 
@@ -66,7 +66,6 @@ class DDP(NaiveDDP):
     uses it to show what overlap buys).
     """
 
-    flat_optimizer = None       # the optimizer sees whole parameters (ZeRO cuts them: "zl.ZeRO")
     checkpoint_kind = "ddp"
     overlap_default = True      # launch each bucket as soon as it is full
     reduces_in_no_sync = False  # inside no_sync gradients only accumulate (ZeRO-2 differs)

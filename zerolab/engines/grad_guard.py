@@ -347,11 +347,8 @@ def plan(buckets, shards) -> list:
     slice `shards[i]` this rank holds."""
     out = []
     for i, (b, s) in enumerate(zip(buckets, shards)):
-        for p, o, n in zip(b.params, b.offsets, b.sizes):
-            lo, hi = max(o, s.start), min(o + n, s.stop)
-            if lo >= hi:
-                lo = hi = max(min(o, s.stop), s.start)      # none of it here: an empty piece
-            out.append((p, i, lo - s.start, hi - s.start, lo - o, hi - o))
+        for pc in b.pieces(s):      # (an empty piece sits at the slice's nearest edge)
+            out.append((pc.param, i, *pc.in_slice, *pc.in_param))
     return out
 
 

@@ -7,12 +7,9 @@
 * data_parallel_layout: which group the engine averages over (the whole world, or a Mesh's dp
   group when the model is tensor-parallel), enable_residual: ZeRO-R's activation options
   (chapter 9) switched on;
-* check_optimizer_factory and check_built_optimizer: the optimizer is a torch optimizer built on
-  the model's parameters, or a factory the engine calls on them (either way the engine moves its
-  groups onto the tensors it updates: zerolab.engines.param_groups), checked before the model is
-  touched and once built; check_no_optimizer: DDP without one, as DistributedDataParallel;
 * join_data_parallel: all of the above, in order, for a data-parallel engine's constructor (a
-  Group the engine keeps);
+  Group the engine keeps), with the optimizer's own checks (zerolab.optim.checks) before the
+  model is touched;
 * measured_forward: the forward, with the activations it leaves alive counted on request.
 """
 
@@ -28,6 +25,7 @@ from ..comm import Ledger
 from ..launch import rank as _rank
 from ..launch import world_size as _world_size
 from ..memory import AllocationTracker, settled
+from ..optim.checks import check_no_optimizer, check_optimizer_factory
 
 
 # ------------------------------------------------------------------ checks at construction
@@ -182,79 +180,6 @@ def enable_residual(model, mesh, checkpoint_activations, partition_activations, 
                                 offload_activations=offload_activations)
 
 
-# ------------------------------------------------------------------ the optimizer factory
-
-
-# Optimizers whose update of an element depends on the rest of its tensor (Adafactor, Muon): the
-# engines hand them whole what a shard's edge cuts (zerolab.engines.whole_matrix).
-from .whole_matrix import WHOLE_TENSOR_OPTIMIZERS  # noqa: E402,F401 (zerolab's older name for it)
-
-
-def _optimizer_class(optimizer):
-    """The class behind an optimizer, its class, or a functools.partial of it (else None)."""
-    kind = optimizer if isinstance(optimizer, type) else (
-        type(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else getattr(optimizer, "func", None))
-    return kind if isinstance(kind, type) else None
-
-
-def _check_no_closure(optimizer) -> None:
-    kind = _optimizer_class(optimizer)
-    if kind is not None and issubclass(kind, torch.optim.LBFGS):
-        raise TypeError(f"{kind.__name__} needs a closure that re-evaluates the loss at every step; zerolab "
-                        "engines call optimizer.step() once per step, without one. Use a first-order "
-                        "optimizer (SGD, Adam, AdamW, ...).")
-
-
-def check_optimizer_factory(optimizer, precision: str, flat_engine: str | None = None) -> None:
-    """Refuse anything but a torch optimizer or a factory of one, before an engine touches the
-    model. (A built optimizer's tensors and state are checked by param_groups.build.)
-
-    flat_engine: the engine's name if it steps the optimizer on flat buffers (whole-matrix
-    optimizers such as Muon and Adafactor are accepted there too: zerolab.engines.whole_matrix).
-    """
-    if not isinstance(optimizer, torch.optim.Optimizer) and not callable(optimizer):
-        raise TypeError(f"optimizer must be a torch optimizer built on the model's parameters, or a "
-                        f"callable params -> torch.optim.Optimizer such as "
-                        f"functools.partial(torch.optim.AdamW, lr=3e-4); got {optimizer!r}")
-    _check_no_closure(optimizer)
-
-
-def check_no_optimizer(engine_name: str, precision: str, max_grad_norm) -> None:
-    """zl.DDP(model) / zl.NaiveDDP(model) without an optimizer, as DistributedDataParallel: the
-    script's own optimizer steps the model's parameters, so there are no masters to keep."""
-    if precision != "fp32":
-        raise ValueError(
-            f"{engine_name} without an optimizer trains in fp32 only: precision={precision!r} keeps "
-            "fp32 master weights that the engine's optimizer updates. Pass an optimizer (built on "
-            "model.parameters(), or a factory), or keep precision='fp32' and step your own.")
-    if max_grad_norm is not None:
-        raise ValueError(
-            f"{engine_name} without an optimizer has no step to clip in: call "
-            "torch.nn.utils.clip_grad_norm_(engine.parameters(), max_norm) before your optimizer's "
-            "step (p.grad holds the averaged gradients), or pass an optimizer.")
-
-
-def check_built_optimizer(opt, flat_engine: str | None = None) -> None:
-    """What a factory returned: a torch optimizer that needs no closure."""
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise TypeError(f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
-    _check_no_closure(opt)
-
-
-def build_optimizer(optimizer, params, precision: str, flat_engine: str | None = None) -> torch.optim.Optimizer:
-    """Call an optimizer factory on `params` (a chapter's own engine; the engines build theirs
-    with zerolab.engines.param_groups.build, which also honours parameter groups)."""
-    check_optimizer_factory(optimizer, precision, flat_engine)
-    if isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError("this engine takes an optimizer factory, e.g. functools.partial(torch.optim.AdamW, lr=3e-4)")
-    opt = optimizer(params)
-    check_built_optimizer(opt, flat_engine)
-    if {id(p) for group in opt.param_groups for p in group["params"]} != {id(t) for t in params}:
-        raise TypeError("the optimizer factory built an optimizer on other tensors than the ones it "
-                        "was given: use its argument, e.g. functools.partial(torch.optim.AdamW, lr=3e-4).")
-    return opt
-
-
 # ------------------------------------------------------------------ a data-parallel engine starts
 
 
@@ -292,7 +217,7 @@ def join_data_parallel(engine_class, model, optimizer, options) -> Group:
             raise TypeError(f"{name} needs an optimizer: it keeps the optimizer state "
                             "(sharded) and steps it. Pass one built on model.parameters(), or a factory "
                             "such as functools.partial(torch.optim.AdamW, lr=3e-4).")
-        check_optimizer_factory(optimizer, t.precision, engine_class.flat_optimizer)
+        check_optimizer_factory(optimizer)
     comm, world_size, rank, src = data_parallel_layout(r.mesh)
     warn_if_alone(name)
     group = Group(

@@ -23,7 +23,7 @@ from ..comm import Ledger
 from ..precision import MixedPrecision
 from . import options
 from .base import Engine
-from .setup import check_optimizer_factory
+from ..optim.checks import check_optimizer_factory
 
 
 class SingleProcess(Engine):
@@ -35,7 +35,7 @@ class SingleProcess(Engine):
         """One process: nothing to join, nothing moves (a ledger all the same, as every engine has)."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        check_optimizer_factory(optimizer, opts.training.precision)     # before the model is touched
+        check_optimizer_factory(optimizer)     # before the model is touched
         self.world_size, self.rank = 1, 0
         self.comm = Ledger()
         # No ledger for the precision checks: the reference must never talk to other ranks,

@@ -30,12 +30,8 @@ def flat_segments(tensor, bucket, shard, names) -> list:
     """Checkpoint segments of `tensor`, which holds slice `shard` of the flat padded `bucket`
     (zerolab.buckets.Bucket): one (tensor, offset in it, parameter name, lo, hi) per parameter
     that overlaps the slice, elements [lo, hi) of that parameter flattened."""
-    out = []
-    for p, o, n in zip(bucket.params, bucket.offsets, bucket.sizes):
-        lo, hi = max(o, shard.start), min(o + n, shard.stop)
-        if lo < hi:
-            out.append((tensor, lo - shard.start, names[id(p)], lo - o, hi - o))
-    return out
+    return [(tensor, pc.in_slice[0], names[id(pc.param)], *pc.in_param)
+            for pc in bucket.pieces(shard) if pc.size]
 
 
 class EngineState:

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from ..precision import clip_grad_norm_
-from . import param_groups
-from .param_views import gather_bytes, use_foreach
+from ..optim import param_groups
+from ..optim.param_views import gather_bytes, use_foreach
 
 
 class Step:
@@ -47,7 +47,7 @@ class Step:
         """FSDP2's order: the optimizer the script built over engine.parameters() after wrapping
         becomes the engine's at its first step (param_groups.await_optimizer), exactly as if it
         had been passed in: checked, its groups moved onto the engine's tensors, handed over."""
-        opt, state = param_groups.build(optimizer, self.model, self.precision.name, self.flat_optimizer)
+        opt, state = param_groups.build(optimizer, self.model)
         self.optimizer = opt
         self._place_groups()
         param_groups.hand_over(opt, self, state)

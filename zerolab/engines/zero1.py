@@ -54,7 +54,6 @@ class ZeRO1(DDP):
     """
 
     stage = 1
-    flat_optimizer = "zl.ZeRO"      # the optimizer may see parameters cut at a shard's edge
     takes_no_optimizer = False    # the optimizer state is what it shards: it needs one ...
     awaits_optimizer = True       # ... given, or built over engine.parameters() afterwards (FSDP2's order)
     sharded = True

@@ -31,7 +31,7 @@ import pickle
 import torch
 import torch.distributed as dist
 
-from ..engines.param_views import ParamViews, gather_bytes
+from ..optim.param_views import ParamViews, gather_bytes
 from ..engines.zero1 import ZeRO1
 from .checks import Piece
 from .engine_run import stub

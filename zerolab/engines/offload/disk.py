@@ -54,7 +54,7 @@ from ...precision import clip_coefficient, found_overflow, global_norm, squared_
 from .. import options
 from ..zero3.engine import ZeRO3
 from ..zero3.units import Unit
-from ..param_groups import run_update
+from ...optim.param_groups import run_update
 from .optimizer import OptimizerOffload, host_empty
 from .pager import Pager
 

@@ -74,7 +74,7 @@ import torch
 import torch.nn as nn
 
 from ...memory import live_bytes, optimizer_tensors
-from ..param_groups import run_update
+from ...optim.param_groups import run_update
 
 
 

@@ -53,7 +53,7 @@ from ...memory import optimizer_tensors
 from ...precision import fp32_where_buffers
 from .. import options
 from ..base import Engine
-from ..param_views import ParamViews
+from ...optim.param_views import ParamViews
 from ..setup import broadcast_from_rank0, join_data_parallel
 from ..state import flat_segments
 from . import zeropp
@@ -85,7 +85,6 @@ class ZeRO3(UnitSchedule, Engine):
 
     peak_meter = measure_peak   # step()'s peak also sees storage resized by gathers and releases
     checkpoint_kind = "zero3"
-    flat_optimizer = "zl.ZeRO(stage=3)"   # the optimizer may see parameters cut at a shard's edge
     awaits_optimizer = True               # optimizer=None: FSDP2's order (param_groups.await_optimizer)
     stage = 3
     sharded = True
