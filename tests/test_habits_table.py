@@ -166,8 +166,13 @@ def own_optimizer_after_wrapping(name):
 
 
 def add_a_group_later(name):
+    """Refused at the next step, before it changes anything (the optimizer itself is left as the
+    script built it: its add_param_group is torch's own)."""
     engine = quiet_make(name, KwNet())
     engine.optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    x, y = batch(0, 2)
+    engine(features={"x": x}, target=y).loss.backward()
+    engine.optimizer.step()
     return "ok"
 
 

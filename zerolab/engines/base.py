@@ -18,7 +18,7 @@ they travel. What does not differ lives here:
   model.parameters()), which returns this rank's own gradients unreduced, as under PyTorch DDP.
   Each reduction divides by N on its way (gloo has no average), never the loss;
 * a step is optimizer.step(), whoever calls it (engine.step() does too): PyTorch's step hooks
-  run the engine's parts around the optimizer's own update (param_groups.hand_over).
+  run the engine's parts around the optimizer's own update (optim.param_groups.hand_over).
   `_before_update` refuses gradients it should not apply (none, fp16 unscaled, never averaged),
   starts measuring the step's peak memory (with track_peak=True) and prepares the update: the
   fp32 gradients of what the optimizer updates (`_step_grads`), one finite check (`_grads_finite`),
@@ -33,9 +33,11 @@ they travel. What does not differ lives here:
 * where the engine is (forward, in backward, reduced, accumulated inside no_sync, stepped) and
   what each call may do is one object, engines.lifecycle.Lifecycle (`self.life`);
 * engine.optimizer is the script's torch optimizer, each parameter of its groups moved onto what
-  the engine updates for it (one master, or one view of a flat buffer: engines.param_views) and
-  its zero_grad() the engine's (engines.param_groups.hand_over), so optimizer.step(),
-  optimizer.zero_grad(), optimizer.state_dict() and torch.optim.lr_scheduler work as written;
+  the engine updates for it (one master, or one view of a flat buffer: optim.param_views), and
+  nothing of it replaced: the engine runs through PyTorch's step and state-dict hooks
+  (optim.param_groups.hand_over) and sees its zero_grad() by the marks it leaves
+  (optim.zero_grad_watch), so optimizer.step(), optimizer.zero_grad(), optimizer.state_dict()
+  and torch.optim.lr_scheduler work as written;
 * what PyTorch's wrappers offer: module, parameters(), named_parameters(), train(), eval(),
   require_backward_grad_sync and clip_grad_norm_(max) (the norm over every rank's shard, applied
   by the next step); state_dict() / load_state_dict() (consolidated, the model's own keys),
@@ -135,8 +137,7 @@ class Engine(Step, EngineState):
             self.optimizer, state = param_groups.build(optimizer, model)
         self._lay_out(model)
         if self.optimizer is not None:
-            self._place_groups()
-            param_groups.hand_over(self.optimizer, self, state)
+            self._take_over(state)
         elif self.awaits_optimizer:     # FSDP2's order: the script builds it afterwards
             param_groups.await_optimizer(self)
         self._ready()
@@ -330,6 +331,7 @@ class Engine(Step, EngineState):
     def _begin_backward(self, synced: bool, queue: bool = True) -> None:
         """A backward begins: refuse a misuse before any gradient is touched, reset the reducer's
         per-backward state (engines' _reset_backward_state), queue the end-of-backward callback."""
+        self._zero_grad_seen()
         self._take_back_guards()
         self.life.backward_began(synced)
         self.last_backward = {"start": self.comm.now(), "compute_end": None, "end": None}
@@ -353,6 +355,7 @@ class Engine(Step, EngineState):
         if reducing and self.views is not None and not self.precision.policy.needs_master:
             self._expose_grads()
         self.life.backward_ended()
+        self._watch_zero_grad(marks=False)
 
     # -------------------------------------------------------------- p.grad under a sharded engine
     _handed = 0                 # how many p.grad are this backward's pieces
@@ -450,8 +453,11 @@ class Engine(Step, EngineState):
     # -------------------------------------------------------------- gradients
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient. zerolab always frees them (set_to_none=False is accepted and
-        does the same): the next backward writes fresh ones. engine.optimizer.zero_grad() is this,
-        and so, under a sharded engine, is model.zero_grad() (_take_back_guards)."""
+        does the same): the next backward writes fresh ones. engine.optimizer.zero_grad() comes
+        to this at the next backward or step (_zero_grad_seen), and so, under a sharded engine,
+        does model.zero_grad() (_take_back_guards)."""
+        if self._watch is not None:
+            self._watch.disarm()
         self._release_grads()
         self._drop_step_grads()
         if self.sharded:                # (only a sharded engine's backward hands out pieces)

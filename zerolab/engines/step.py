@@ -26,6 +26,7 @@ import torch
 from ..precision import clip_grad_norm_
 from ..optim import param_groups
 from ..optim.param_views import gather_bytes, use_foreach
+from ..optim.zero_grad_watch import ZeroGradWatch
 
 
 class Step:
@@ -47,10 +48,29 @@ class Step:
         """FSDP2's order: the optimizer the script built over engine.parameters() after wrapping
         becomes the engine's at its first step (param_groups.await_optimizer), exactly as if it
         had been passed in: checked, its groups moved onto the engine's tensors, handed over."""
-        opt, state = param_groups.build(optimizer, self.model)
-        self.optimizer = opt
+        self.optimizer, state = param_groups.build(optimizer, self.model)
+        self._take_over(state)
+
+    _watch = None               # the script's optimizer.zero_grad(), seen (optim.zero_grad_watch)
+    _groups = 0                 # how many parameter groups the optimizer was handed over with
+
+    def _take_over(self, state=None) -> None:
+        """The script's optimizer, built: its groups moved onto the engine's tensors, its step
+        hooked (optim.param_groups.hand_over), its zero_grad() watched."""
         self._place_groups()
-        param_groups.hand_over(opt, self, state)
+        param_groups.hand_over(self.optimizer, self, state)
+        self._groups = len(self.optimizer.param_groups)
+        self._watch = ZeroGradWatch(self.optimizer, self.model.parameters())
+
+    def _zero_grad_seen(self) -> None:
+        """Before a backward or a step: if the script's optimizer.zero_grad() ran since the engine
+        last looked, the gradients were zeroed: drop the engine's, as engine.zero_grad() does."""
+        if self._watch is not None and self._watch.disarm():
+            self.zero_grad()
+
+    def _watch_zero_grad(self, marks: bool) -> None:
+        if self._watch is not None:
+            self._watch.arm(marks)
 
     # -------------------------------------------------------------- the step
     # optimizer.step() is the step, whoever calls it (engine.step() calls it too): PyTorch's step
@@ -70,7 +90,14 @@ class Step:
     def _before_update(self, optimizer=None) -> None:
         """Before the optimizer's own update: refuse gradients it should not apply, then unscale,
         check, clip and hand each tensor the optimizer holds its gradient (_prepare_update)."""
-        self._check_step(optimizer)
+        marked = self._watch is not None and self._watch.marks
+        self._zero_grad_seen()
+        try:
+            param_groups.check_no_new_group(self.optimizer, self._groups)
+            self._check_step(optimizer)
+        except BaseException:           # refused: nothing changed, the watch goes on
+            self._watch_zero_grad(marked)
+            raise
         self._close_step()              # (a step that raised inside the optimizer left it open)
         if self.track_peak:
             self._peak = self.peak_meter("cpu")
@@ -98,6 +125,7 @@ class Step:
             self._close_step()
         self.steps += 1
         self.life.stepped()
+        self._watch_zero_grad(marks=True)
 
     _foreach_set: list = []             # groups whose foreach this step set (use_foreach)
 

@@ -59,6 +59,10 @@ class CombinedOptimizer(torch.optim.Optimizer):
             o.state = state
             at += k
 
+    def __getstate__(self) -> dict:
+        # the members too, so that a copy steps (copy.copy: optim.param_groups.without_hooks)
+        return {**super().__getstate__(), "optimizers": self.optimizers}
+
     def __setstate__(self, state) -> None:
         # load_state_dict() makes new group dicts and a new state: the members take them too
         super().__setstate__(state)

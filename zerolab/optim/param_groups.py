@@ -28,7 +28,8 @@ state_dict() is the whole model's (a collective) and load_state_dict() takes a w
 
 from __future__ import annotations
 
-import types
+import copy
+import functools
 import weakref
 
 import torch
@@ -86,28 +87,29 @@ def build(optimizer, model):
 
 
 def hand_over(opt, engine, state=None) -> None:
-    """The engine's optimizer from now on (its groups already hold the engine's tensors):
+    """The engine's optimizer from now on (its groups already hold the engine's tensors). Nothing
+    of the optimizer is replaced; the engine takes part through PyTorch's public hooks:
 
-    * opt.step() runs the engine's step around the optimizer's own update, through PyTorch's step
+    * opt.step() runs the engine's step around the optimizer's own update, through the step
       hooks: before it, engine._before_update() (refuse a wrong step, unscale, check, clip, give
       each tensor its gradient); after it, engine._after_update() (publish the new weights: a
       cast, an all-gather). So a learning-rate scheduler's wrapper of opt.step, nanoGPT's loop
       and a course's autograder drive the engine as written;
-    * opt.zero_grad() is engine.zero_grad() (PyTorch has no hook for it: set on the instance);
-    * add_param_group() is refused (the buffers are laid out);
-    * with per-parameter views (engines.param_views): state_dict() is the whole model's and
+    * opt.zero_grad() is seen by the engine at the next backward or step (the marks it leaves on
+      its tensors: zerolab.optim.zero_grad_watch);
+    * a group added with add_param_group() is refused at the next step (the buffers are laid out);
+    * with per-parameter views (optim.param_views): state_dict() is the whole model's and
       load_state_dict() takes a whole one, through PyTorch's state-dict hooks.
 
+    Each hook holds a weak reference to the engine, so the optimizer never keeps it alive.
     `state`: a state dict the optimizer held before (build), loaded now onto the new tensors."""
-    opt._zerolab_engine = weakref.ref(engine)
-    opt.register_step_pre_hook(_before_update)
-    opt.register_step_post_hook(_after_update)
-    opt.zero_grad = types.MethodType(_engine_zero_grad, opt)
-    opt.add_param_group = types.MethodType(_no_new_group, opt)
+    me = weakref.ref(engine)
+    opt.register_step_pre_hook(functools.partial(_before_update, me))
+    opt.register_step_post_hook(functools.partial(_after_update, me))
     if getattr(engine, "views", None) is not None:
         if engine.sharded:              # (zl.DDP's views are whole: its state dict is already)
-            opt.register_state_dict_post_hook(_whole_state)
-        opt.register_load_state_dict_pre_hook(_this_ranks_state)
+            opt.register_state_dict_post_hook(functools.partial(_whole_state, me))
+        opt.register_load_state_dict_pre_hook(functools.partial(_this_ranks_state, me))
     if engine.precision.policy.needs_master or engine.sharded:
         # torch.amp.GradScaler (for fp32 weights under autocast) then calls step() itself on
         # every rank, which refuses it by name (Engine._check_step) instead of failing deep
@@ -117,14 +119,14 @@ def hand_over(opt, engine, state=None) -> None:
         opt.load_state_dict(state)
 
 
-def _engine_of(opt):
-    engine = opt._zerolab_engine()
+def _engine_of(me):
+    engine = me()
     if engine is None:
         raise RuntimeError("this optimizer belonged to a zerolab engine that no longer exists")
     return engine
 
 
-def _before_update(opt, args, kwargs):
+def _before_update(me, opt, args, kwargs):
     """optimizer.step(closure)'s pre-hook. torch's contract for a closure: re-evaluate the loss
     (zero_grad, forward, backward) and step on its gradients; so the closure runs here, before
     the engine checks and hands out those gradients, and the optimizer's own call of it returns
@@ -135,41 +137,45 @@ def _before_update(opt, args, kwargs):
             loss = closure()
         args, kwargs = args[:1], {**{k: v for k, v in kwargs.items() if k != "closure"},
                                   "closure": lambda: loss}
-    _engine_of(opt)._before_update(opt)
+    _engine_of(me)._before_update(opt)
     return args, kwargs
 
 
-def _after_update(opt, args, kwargs):
-    _engine_of(opt)._after_update()
+def _after_update(me, opt, args, kwargs):
+    _engine_of(me)._after_update()
+
+
+def without_hooks(optimizer):
+    """The same optimizer without its step hooks, to run its own update alone (an engine already
+    inside its step: offload="disk", one unit at a time). Made by the optimizer's own copy
+    protocol (torch.optim.Optimizer.__getstate__): the same defaults, state and parameter groups,
+    the same tensors, and none of the hooks."""
+    return copy.copy(optimizer)
 
 
 def run_update(optimizer) -> None:
-    """The optimizer's own update, without its step hooks: for an engine already inside its step
-    (offload's delayed update on a thread; offload="disk", one unit at a time)."""
-    step = type(optimizer).step
-    getattr(step, "__wrapped__", step)(optimizer)
+    """The optimizer's own update, without the engine's part around it."""
+    without_hooks(optimizer).step()
 
 
-def _engine_zero_grad(opt, set_to_none: bool = True):
-    _engine_of(opt).zero_grad(set_to_none)
+def check_no_new_group(opt, groups: int) -> None:
+    """Refuse a step after add_param_group(), before anything changes."""
+    if len(opt.param_groups) != groups:
+        raise RuntimeError("add_param_group() on an engine's optimizer: the engine laid out its buffers "
+                           "for the parameters it was built with. Put every parameter group in the "
+                           "optimizer before building the engine.")
 
 
-def _no_new_group(opt, param_group):
-    raise RuntimeError("add_param_group() on an engine's optimizer: the engine laid out its buffers "
-                       "for the parameters it was built with. Put every parameter group in the "
-                       "optimizer before building the engine.")
-
-
-def _whole_state(opt, state_dict):
+def _whole_state(me, opt, state_dict):
     """state_dict()'s post-hook: this rank's slices -> the whole model's state (a collective)."""
-    engine = _engine_of(opt)
+    engine = _engine_of(me)
     state_dict["state"] = engine.views.consolidate(state_dict["state"], engine.gather_bytes)
     return state_dict
 
 
-def _this_ranks_state(opt, state_dict):
+def _this_ranks_state(me, opt, state_dict):
     """load_state_dict()'s pre-hook: a whole state dict -> the slices this rank's views cover."""
-    state_dict["state"] = _engine_of(opt).views.shard(state_dict["state"], state_dict["param_groups"])
+    state_dict["state"] = _engine_of(me).views.shard(state_dict["state"], state_dict["param_groups"])
     return state_dict
 
 
@@ -211,7 +217,7 @@ def _awaited_by(t):
 
 
 def _adopt_on_first_step(opt, args, kwargs):
-    if not _WAITING or getattr(opt, "_zerolab_engine", None) is not None:
+    if not _WAITING:
         return None
     for group in opt.param_groups:
         engine = _awaited_by(group["params"][0]) if group["params"] else None

@@ -68,13 +68,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from ...memory import live_bytes, optimizer_tensors
-from ...optim.param_groups import run_update
+from ...optim.param_groups import without_hooks
 
 
 
@@ -124,14 +125,44 @@ class Transfers:
         self.records = []
 
 
-def with_hyperparameters_of_now(optimizer):
-    """The same optimizer (its tensors and state shared), with its parameter groups' settings
-    (lr, betas, weight decay...) copied as they are now: a step on another thread then reads
-    these, whatever a learning-rate scheduler writes into the real groups meanwhile."""
-    frozen = object.__new__(type(optimizer))
-    frozen.__dict__.update(optimizer.__dict__)
-    frozen.param_groups = [dict(group) for group in optimizer.param_groups]
-    return frozen
+class DetachedUpdate:
+    """The optimizer's update as of now, for another thread: nothing the script does meanwhile
+    reaches it, and it touches nothing the script sees until it lands.
+
+    It runs on a copy of the optimizer made by the optimizer's own copy protocol (no hooks), whose
+    groups are copies (lr, betas, weight decay as they are now, whatever a learning-rate
+    scheduler writes into the real groups meanwhile) holding aliases of the tensors (t.detach():
+    the same storage, other tensor objects, each with the gradient handed to it now). So the
+    script's optimizer.zero_grad() and the engine's marks on the real tensors
+    (optim.zero_grad_watch) never reach the update in flight. The state is the optimizer's own: the
+    same per-parameter dicts, updated in place; a parameter's first state is handed back when the
+    update lands (land)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.copy = without_hooks(optimizer)
+        self.real = {}                  # alias -> the optimizer's tensor
+        groups = []
+        for group in optimizer.param_groups:
+            aliases = []
+            for t in group["params"]:
+                alias = t.detach()
+                alias.grad = t.grad
+                self.real[alias] = t
+                aliases.append(alias)
+            groups.append({**group, "params": aliases})
+        self.copy.param_groups = groups
+        self.copy.state = defaultdict(dict, {a: optimizer.state[t] for a, t in self.real.items()
+                                             if t in optimizer.state})
+
+    def run(self) -> None:
+        self.copy.step()
+
+    def land(self) -> None:
+        """After the thread: the state the update made for a parameter stepped the first time."""
+        for alias, state in self.copy.state.items():
+            if self.real[alias] not in self.optimizer.state:
+                self.optimizer.state[self.real[alias]] = state
 
 
 class OptimizerOffload:
@@ -258,17 +289,17 @@ class OptimizerOffload:
         box: list = []
         # the hyperparameters are read once, now: a scheduler's change after this step() (on
         # the main thread, while the update runs) takes effect at the next step, as without delay
-        as_of_now = with_hyperparameters_of_now(self.optimizer)
+        as_of_now = DetachedUpdate(self.optimizer)
 
         def update():                   # host arithmetic only: no collective on this thread
             try:
-                run_update(as_of_now)
+                as_of_now.run()
             except BaseException as e:  # re-raised by finish_update, on the main thread
                 box.append(e)
 
         thread = threading.Thread(target=update, name="zerolab-offload-step", daemon=True)
         thread.start()
-        self._in_flight = (thread, box)
+        self._in_flight = (thread, box, as_of_now)
 
     # no_grad: state_dict, checkpoints and users call it outside step(); with grad enabled the
     # copies into the compute shards would be recorded by autograd, and ZeRO-3's next all-gather
@@ -279,11 +310,12 @@ class OptimizerOffload:
         stages 1-2). Every rank must call it (publishing is a collective); nothing if none."""
         if self._in_flight is None:
             return
-        thread, box = self._in_flight
+        thread, box, update = self._in_flight
         self._in_flight = None
         thread.join()
         if box:
             raise box[0]
+        update.land()
         self._publish()
         self._drop_step_grads()
 
