@@ -29,7 +29,7 @@ import torch.nn as nn
 
 # the library's code: its seams are the reference
 from ..engines.zero3 import units as library_units
-from ..engines.zero3.units import Unit
+from ..engines.zero3.units import GradState, Unit
 from ..engines.zero3 import ZeRO3
 from ..engines.zero3.schedule import UnitSchedule
 from .checks import PARITY, Piece, adam_state_bytes, check_collectives, check_parity, fmt_bytes, per_step
@@ -273,8 +273,8 @@ def _probe_backward_prefetch(engine) -> list:
     released, as before a step: the prefetch was never used. Returns the units it gathered."""
     by = {u.name: u for u in engine.units}
     order = [by[name] for name in ("root", "blocks.2", "blocks.1", "blocks.0")]
-    for u in engine.units:
-        u.reduced = u is by["blocks.1"]
+    for u in engine.units:          # (set, not moved: the scenario a schedule is asked about)
+        u.grad_state = GradState.REDUCED if u is by["blocks.1"] else GradState.WAITING
     mark = len(engine.graded.entries)
     engine._prefetch_after(order, by["blocks.2"], "backward")
     gathered = [e.owner for e in engine.graded.entries[mark:] if e.op == "all_gather"]

@@ -22,7 +22,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..base import tensors_in
-from .units import Event, _InputsGradDone
+from .units import Event, GradState, _InputsGradDone
 
 EVENTS_KEPT = 4096      # engine.events keeps the most recent: several steps of any model in the book
 
@@ -173,7 +173,7 @@ class UnitSchedule:
         if u.reduced:
             return
         if not u.in_backward:
-            u.in_backward = True
+            u.move_grads(GradState.IN_BACKWARD)
             u.gather("backward")
             self._prefetch_after(self._bwd_order, u, "backward")
             self._use(u, "backward")
@@ -202,7 +202,7 @@ class UnitSchedule:
         """The unit's backward is over: reduce-scatter its gradient, free its parameters."""
         if u.reduced:
             return
-        u.reduced = True
+        u.move_grads(GradState.REDUCING)
         if "train" in u.buckets:
             u.reduce_scatter()
             self._reducing.append(u)
@@ -247,4 +247,5 @@ class UnitSchedule:
                 unused &= set(u.unused_positions)
             u.unused_positions = sorted(unused)
             k += n_train
-            u.in_backward = False
+            if u.reduced:
+                u.move_grads(GradState.REDUCED)     # (a unit no backward reached stays WAITING)

@@ -25,6 +25,7 @@ parameter back into a plain nn.Parameter, at no cost to forward.
 from __future__ import annotations
 
 from collections import namedtuple
+from enum import Enum
 
 import torch
 import torch.nn as nn
@@ -32,6 +33,38 @@ from torch.autograd.graph import get_gradient_edge
 
 from ...buckets import Bucket
 from ...memory import PeakMemory
+
+class ParamState(Enum):
+    """Where a unit's parameters are (FSDP2 keeps the same in its ShardedState)."""
+    PARTITIONED = "partitioned: this rank holds its shard only"
+    IN_FLIGHT = "in flight: an all-gather is filling the full buffers"
+    GATHERED = "gathered: the full parameters are in memory"
+
+
+class GradState(Enum):
+    """Where a unit's backward is, in the pass under way (FSDP2: its TrainingState)."""
+    WAITING = "waiting: no backward has reached it since the pass began"
+    IN_BACKWARD = "in backward: its gradients are arriving"
+    REDUCING = "reducing: its backward is over, its gradient is being reduce-scattered"
+    REDUCED = "reduced: the pass is over, this rank holds its gradient shard"
+
+
+# the legal moves; anything else is a bug in the schedule, raised where it happens. (A gather
+# may complete at once, without an all-gather in flight: a node-local copy, a lab's own gather.)
+PARAM_MOVES = {(ParamState.PARTITIONED, ParamState.IN_FLIGHT), (ParamState.PARTITIONED, ParamState.GATHERED),
+               (ParamState.IN_FLIGHT, ParamState.GATHERED), (ParamState.GATHERED, ParamState.PARTITIONED)}
+GRAD_MOVES = {(GradState.WAITING, GradState.IN_BACKWARD), (GradState.IN_BACKWARD, GradState.REDUCING),
+              (GradState.REDUCING, GradState.REDUCED)}
+
+
+def moved(unit, kind: str, now: Enum, to: Enum, legal: set) -> Enum:
+    """`to`, if a unit in state `now` may go there (or is there already); else a RuntimeError."""
+    if now is not to and (now, to) not in legal:
+        raise RuntimeError(f"ZeRO-3 unit {unit.name}: its {kind} cannot go from {now.name} to {to.name} "
+                           f"({now.value}). Legal moves: "
+                           + ", ".join(f"{a.name} -> {b.name}" for a, b in sorted(legal, key=str)))
+    return to
+
 
 Event = namedtuple("Event", "time rank unit state phase")
 """One step of a unit's lifecycle: state is gathering | gathered | in_use | reduce_scatter | released."""
@@ -115,7 +148,7 @@ class Unit:
         self.shard = {}                 # kind -> this rank's shard, compute dtype
         self.master = None              # fp32 master of the train shard (an nn.Parameter)
         self.handles = {}               # kind -> Handle of an all-gather in flight
-        self.gathered = False
+        self.params_state = ParamState.PARTITIONED
         self.grad_full = None           # full gradient while backward produces it
         self.grad_shard = None          # this rank's reduced gradient, until zero_grad
         self.unused_positions = None    # train positions no backward reached since zero_grad
@@ -124,12 +157,38 @@ class Unit:
         self.reset_backward()
 
     def reset_backward(self):
+        """A new pass: no backward has reached the unit yet."""
         self.n_acc = 0                  # trainable params whose gradient was accumulated
-        self.in_backward = False
+        self.grad_state = GradState.WAITING
         self.input_hooks_out = 0        # input-gradient hooks set up in forward ...
         self.input_hooks_in = 0         # ... and fired in backward
-        self.reduced = False
         self.used = set()               # positions (in the train bucket) that got a gradient
+
+    # -------------------------------------------------------------- the two states, moved
+    def move_params(self, to: ParamState) -> None:
+        self.params_state = moved(self, "parameters", self.params_state, to, PARAM_MOVES)
+
+    def move_grads(self, to: GradState) -> None:
+        self.grad_state = moved(self, "gradient", self.grad_state, to, GRAD_MOVES)
+
+    @property
+    def gathered(self) -> bool:
+        return self.params_state is ParamState.GATHERED
+
+    @gathered.setter
+    def gathered(self, value: bool) -> None:
+        # (lab 6's Unit, written by the student, says it with a boolean: the move is checked)
+        self.move_params(ParamState.GATHERED if value else ParamState.PARTITIONED)
+
+    @property
+    def in_backward(self) -> bool:
+        """Its backward began in this pass (and the pass is not over)."""
+        return self.grad_state in (GradState.IN_BACKWARD, GradState.REDUCING)
+
+    @property
+    def reduced(self) -> bool:
+        """Its backward is over in this pass: its gradient was (or is being) reduce-scattered."""
+        return self.grad_state in (GradState.REDUCING, GradState.REDUCED)
 
     @property
     def numel(self):
@@ -206,6 +265,7 @@ class Unit:
         if self.gathered or self.handles:
             return
         self.record(self, "gathering", phase)
+        self.move_params(ParamState.IN_FLIGHT)
         for kind, full in self.full.items():
             storage_alloc(full)
             if self.route.plain:
@@ -223,7 +283,7 @@ class Unit:
         for h in self.handles.values():
             h.wait()
         self.handles = {}
-        self.gathered = True
+        self.move_params(ParamState.GATHERED)
         mark_released(self.params, False)
         self.record(self, "gathered", phase)
         return self.comm.now() - t0
@@ -242,7 +302,7 @@ class Unit:
         mark_released(self.params, True)
         for full in self.full.values():
             storage_free(full)
-        self.gathered = False
+        self.move_params(ParamState.PARTITIONED)
         self.record(self, "released", phase)
 
     # -------------------------------------------------------------- gradients
