@@ -274,7 +274,7 @@ class Engine(Step, EngineState):
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
-        self.life.sync = bool(value)
+        self.life.set_sync(value)
 
     # -------------------------------------------------------------- what a PyTorch wrapper offers
     @property
@@ -316,14 +316,9 @@ class Engine(Step, EngineState):
         engine's hooks reduce the gradients either way (each reduction divides by N)."""
         scaled = self.precision.scale_loss(loss, step=self.steps)
         life = self.life
-        life.began = False
-        life.forward(True)             # (a backward that raised before is over)
         self._pass_open = False
-        life.scaling = True
-        try:
+        with life.engine_backward():
             scaled.backward()
-        finally:
-            life.scaling = False
         if not life.began:             # no hook fired: no parameter of this rank was reached,
             self._begin_backward(life.sync, queue=False)   # but the other ranks' collectives
             self._end_backward()                           # need this rank's (zeros) all the same
@@ -335,7 +330,6 @@ class Engine(Step, EngineState):
         self._take_back_guards()
         self.life.backward_began(synced)
         self.last_backward = {"start": self.comm.now(), "compute_end": None, "end": None}
-        self._exposed = False
         self._reset_backward_state()
         if queue and not self._pass_open:   # (an open pass ends it: _close_pass)
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -351,7 +345,7 @@ class Engine(Step, EngineState):
         self.last_backward["end"] = self.comm.now()
         if self.sharded and reducing:   # what this rank updates with is a piece of each gradient
             self._hand_out_grads()
-            self.life.guarded = True
+            self.life.pieces_handed()
         if reducing and self.views is not None and not self.precision.policy.needs_master:
             self._expose_grads()
         self.life.backward_ended()
@@ -414,7 +408,7 @@ class Engine(Step, EngineState):
             self.zero_grad()
             return
         grad_guard.take_back(self._trainable())
-        self.life.guarded = False
+        self.life.pieces_taken_back()
 
     def _watch_parameters(self) -> None:
         """The end of every engine's construction: a pre-hook on each trainable parameter's
@@ -481,7 +475,7 @@ class Engine(Step, EngineState):
                    RuntimeError("clip_grad_norm_() called before backward(): there is no gradient to clip"))
         sq = squared_norm([g for g in self._owned_grads() if g is not None])
         total = global_norm(sq, self.comm if self.sharded else None, self.norm_group)
-        self.life.clip_next = float(max_norm)
+        self.life.clip_at_next_step(max_norm)
         return total / self.precision.scale    # (1 unless fp16 scales the loss)
 
     def _owned_grads(self) -> list:

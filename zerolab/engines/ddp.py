@@ -273,7 +273,7 @@ class DDP(NaiveDDP):
                 b.data.copy_(f)  # one cast-and-copy per bucket
 
     def _drop_step_grads(self):
-        self._exposed = False
+        self.life.grads_dropped()
         if self.views is not None:
             self.views.drop_grads()
         for m in self.flat_masters:

@@ -7,21 +7,27 @@ TrainingState), and the transitions, not scattered flags, decide what each call 
 
     IDLE --backward began--> IN_BACKWARD --backward ended--> REDUCED      (averaged: step may run)
                                                         \\--> ACCUMULATED  (inside no_sync: not yet)
-    REDUCED --stepped--> STEPPED      (applied; the gradients stay until zero_grad, as in PyTorch)
+    REDUCED --step began--> STEPPING --step ended--> STEPPED   (the gradients stay until zero_grad,
+                                                                as in PyTorch)
     any --zeroed--> IDLE              a backward may begin again from any state but IN_BACKWARD
 
 and beside the phase, what the transitions remember: whether the script is inside no_sync()
 (`sync`), inside engine.backward (`scaling`: fp16 scaled the loss), whether a reducing backward
 ran since zero_grad (`reduced`), whether fp16 gradients came from a bare loss.backward()
-(`unscaled`), whether p.grad holds a sharded engine's pieces (`guarded`), PyTorch DDP's buffer
-rule (`buffers_next`) and a clip asked for the next step (`clip_next`).
+(`unscaled`), whether p.grad holds a sharded engine's pieces (`guarded`), whether the
+optimizer's tensors hold the engine's gradients (`exposed`), PyTorch DDP's buffer rule
+(`buffers_next`), a clip asked for the next step (`clip_next`) and the step under way
+(`open_step`: an OpenStep, from the optimizer's step pre-hook to its post-hook).
 
 The engine (engines.base.Engine) calls a transition at each of those moments and does the work
-(reducing, handing out the pieces, stepping); this object owns the decisions and the errors.
+(reducing, handing out the pieces, stepping); this object owns the decisions and the errors, and
+nothing else writes its fields.
 """
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass, field
 from enum import Enum
 
 
@@ -30,7 +36,16 @@ class Phase(Enum):
     IN_BACKWARD = "in backward: gradients are arriving"
     REDUCED = "reduced: the gradients are averaged and a step may run"
     ACCUMULATED = "accumulated inside no_sync(): not averaged yet"
+    STEPPING = "stepping: inside optimizer.step()"
     STEPPED = "stepped: the gradients were applied"
+
+
+@dataclass
+class OpenStep:
+    """A step under way, from the optimizer's step pre-hook to its post-hook."""
+    applied: bool = False       # were the gradients finite, so the update runs? (fp16 may skip)
+    peak: object = None         # the step's peak-memory meter (track_peak=True)
+    foreach_groups: list = field(default_factory=list)   # groups whose foreach this step set
 
 
 class Lifecycle:
@@ -56,8 +71,11 @@ class Lifecycle:
         self.reduced = False            # a reducing backward ran since zero_grad
         self.unscaled = False           # fp16: a backward ran without engine.backward since zero_grad
         self.guarded = False            # p.grad holds pieces (sharded engines, after a reducing backward)
+        self.exposed = False            # the optimizer's tensors hold the engine's gradients (fp32)
         self.buffers_next = True        # broadcast rank 0's buffers at the next forward
         self.clip_next = None           # max_norm of a clip_grad_norm_() call, for the next step
+        self.open_step = None           # the OpenStep under way
+        self.last_applied = False       # did the last step apply its update?
 
     @property
     def phase(self) -> Phase:
@@ -85,6 +103,24 @@ class Lifecycle:
             self.phase = self._before
         return sync_buffers, self.sync
 
+    # -------------------------------------------------------------- what the script switches
+    def set_sync(self, value: bool) -> None:
+        """no_sync() and require_backward_grad_sync: does the next forward's backward reduce?"""
+        self.sync = bool(value)
+
+    @contextlib.contextmanager
+    def engine_backward(self):
+        """engine.backward(loss): the loss was scaled (fp16). After it, `began` says whether a
+        backward began (a gradient hook fired); if not, the engine still takes part in the ranks'
+        collectives. A backward that raised before is over."""
+        self.began = False
+        self.forward(True)
+        self.scaling = True
+        try:
+            yield
+        finally:
+            self.scaling = False
+
     # -------------------------------------------------------------- backward
     def backward_began(self, synced: bool) -> None:
         """The first parameter gradient of a backward is about to arrive: refuse a backward its
@@ -103,6 +139,7 @@ class Lifecycle:
         self._before = self.phase
         self.phase = Phase.IN_BACKWARD
         self.began = True
+        self.exposed = False
 
     def backward_ended(self) -> None:
         self.reduced = self.reduced or self.reducing
@@ -146,13 +183,53 @@ class Lifecycle:
                 "step() after a backward inside no_sync(): those gradients were never averaged over "
                 "ranks. Run the last micro-batch's forward and backward outside no_sync().")
 
+    def step_began(self) -> OpenStep:
+        """The optimizer's step pre-hook accepted the step (check_step): it is under way."""
+        self._before_step, self.phase = self.phase, Phase.STEPPING
+        self.open_step = OpenStep()
+        return self.open_step
+
+    def step_ended(self) -> OpenStep | None:
+        """The step's scope closes (its post-hook, or a step that raised inside the optimizer,
+        found open by the next one): the OpenStep, for the engine to close its meters."""
+        scope, self.open_step = self.open_step, None
+        if scope is not None:
+            self.last_applied = scope.applied
+        if self.phase is Phase.STEPPING:    # (stepped() follows, unless the step raised)
+            self.phase = self._before_step
+        return scope
+
     def stepped(self) -> None:
         self.phase = Phase.STEPPED      # (reduced stays until zero_grad: see backward_began)
+
+    def clip_at_next_step(self, max_norm: float) -> None:
+        """engine.clip_grad_norm_(max_norm): the next step clips to it."""
+        self.clip_next = float(max_norm)
+
+    def take_clip(self, default):
+        """The step's max_norm: a clip asked for since the last step, else `default`."""
+        max_norm, self.clip_next = self.clip_next or default, None
+        return max_norm
+
+    # -------------------------------------------------------------- the optimizer's gradients
+    def grads_exposed(self) -> None:
+        """The optimizer's tensors hold the engine's averaged gradients (fp32, after backward)."""
+        self.exposed = True
+
+    def grads_dropped(self) -> None:
+        self.exposed = False
 
     # -------------------------------------------------------------- zero_grad and the pieces in p.grad
     def zeroed(self) -> None:
         self.phase = Phase.IDLE
-        self.reduced = self.unscaled = self.guarded = False
+        self.reduced = self.unscaled = self.guarded = self.exposed = False
+
+    def pieces_handed(self) -> None:
+        """A sharded engine's backward put this rank's pieces in p.grad (engines.grad_guard)."""
+        self.guarded = True
+
+    def pieces_taken_back(self) -> None:
+        self.guarded = False
 
     def guards_left(self, kept: int, total: int, stage) -> str:
         """A backward begins while p.grad holds the pieces: "zeroed" if the script removed them all

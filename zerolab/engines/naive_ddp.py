@@ -54,11 +54,11 @@ class NaiveDDP(Engine):
         The backward after the block (outside it, of a forward outside it) reduces the
         accumulated sum once.
         """
-        self.life.sync = False
+        self.life.set_sync(False)
         try:
             yield
         finally:
-            self.life.sync = True
+            self.life.set_sync(True)
 
     def _finish_backward(self):
         # Which parameters did any rank reach? One no rank reached keeps grad None (the

@@ -76,20 +76,19 @@ class Step:
     # optimizer.step() is the step, whoever calls it (engine.step() calls it too): PyTorch's step
     # hooks (param_groups.hand_over) run _before_update, then the optimizer's own update of the
     # tensors that were handed a gradient, then _after_update.
-    views = None                # flat engines: engines.param_views.ParamViews (what the optimizer steps)
-    _applied = False            # did the step in progress find finite gradients?
-    _peak = None                # the step's peak-memory meter, from _before_update to _after_update
+    views = None                # flat engines: optim.param_views.ParamViews (what the optimizer steps)
 
     def step(self) -> bool:
         """Unscale, check, clip, update. False (and nothing changed) when an fp16 overflow skips it."""
         if self.optimizer is None:
             self._check_step(None)      # (says what to do instead)
         self.optimizer.step()
-        return self._applied
+        return self.life.last_applied
 
     def _before_update(self, optimizer=None) -> None:
         """Before the optimizer's own update: refuse gradients it should not apply, then unscale,
         check, clip and hand each tensor the optimizer holds its gradient (_prepare_update)."""
+        self._close_step()              # (a step that raised inside the optimizer left it open)
         marked = self._watch is not None and self._watch.marks
         self._zero_grad_seen()
         try:
@@ -98,16 +97,16 @@ class Step:
         except BaseException:           # refused: nothing changed, the watch goes on
             self._watch_zero_grad(marked)
             raise
-        self._close_step()              # (a step that raised inside the optimizer left it open)
+        scope = self.life.step_began()
         if self.track_peak:
-            self._peak = self.peak_meter("cpu")
-            self._peak.__enter__()
+            scope.peak = self.peak_meter("cpu")
+            scope.peak.__enter__()
         if self.views is not None:      # one foreach call per operation, not one per parameter
-            self._foreach_set = use_foreach(self.optimizer)
+            scope.foreach_groups = use_foreach(self.optimizer)
         try:
             self._start_step()
             with torch.no_grad():
-                self._applied = self._prepare_update()
+                scope.applied = self._prepare_update()
         except BaseException:
             self._close_step()
             raise
@@ -115,9 +114,10 @@ class Step:
     def _after_update(self) -> None:
         """After the optimizer's own update: the compute copies catch up (_land_update: a cast, an
         all-gather), the step's gradients go, the loss scale moves on."""
+        scope = self.life.open_step
         try:
             with torch.no_grad():
-                if self._applied:
+                if scope is not None and scope.applied:
                     self._land_update()
                     self.precision.update(found_inf=False)
                 self._drop_step_grads()
@@ -127,17 +127,16 @@ class Step:
         self.life.stepped()
         self._watch_zero_grad(marks=True)
 
-    _foreach_set: list = []             # groups whose foreach this step set (use_foreach)
-
     def _close_step(self) -> None:
         """The end of a step's scope: the peak meter read, the groups' foreach as the script left it."""
-        for group in self._foreach_set:
+        scope = self.life.step_ended()
+        if scope is None:
+            return
+        for group in scope.foreach_groups:
             group["foreach"] = None
-        self._foreach_set = []
-        if self._peak is not None:
-            peak, self._peak = self._peak, None
-            peak.__exit__(None, None, None)
-            self.last_peak = peak.peak
+        if scope.peak is not None:
+            scope.peak.__exit__(None, None, None)
+            self.last_peak = scope.peak.peak
 
     def _check_step(self, optimizer) -> None:
         """Refuse a step whose gradients are not what it should apply (engines.lifecycle)."""
@@ -159,7 +158,7 @@ class Step:
             except FloatingPointError as gave_up:
                 raise FloatingPointError(f"{gave_up} {self._diagnose()}") from None
             return False
-        max_norm, self.life.clip_next = self.life.clip_next or self.max_grad_norm, None
+        max_norm = self.life.take_clip(self.max_grad_norm)
         if max_norm is not None:
             self._clip(grads, max_norm)
         self._hand_grads()
@@ -177,7 +176,7 @@ class Step:
         optimizer skips it). Flat engines: each view gets its range of the flat gradient, except
         a parameter no rank reached (_unused_params). offload's delay_update and offload="disk"
         run the update here themselves (run_update) and hand nothing to the optimizer's own."""
-        if self.views is not None and not self._exposed:
+        if self.views is not None and not self.life.exposed:
             self.views.point_grads(self._unused_params())
         self._gather_whole_matrices()
 
@@ -259,7 +258,7 @@ class Step:
 
     def _drop_step_grads(self) -> None:
         """Free the fp32 gradients _step_grads gave the masters (and the views' ranges of them)."""
-        self._exposed = False
+        self.life.grads_dropped()
         if self.views is not None:
             self.views.drop_grads()
         if self.masters is not self.params:
@@ -276,9 +275,7 @@ class Step:
         for m, g in zip(self._flat_masters(), self._owned_grads()):
             m.grad = g
         self.views.point_grads(self._unused_params())
-        self._exposed = True            # (the step then finds them in place: _hand_grads)
-
-    _exposed = False
+        self.life.grads_exposed()       # (the step then finds them in place: _hand_grads)
 
     def _flat_masters(self) -> list:
         """The tensors the views are cut from, in the order of _owned_grads()."""

@@ -299,7 +299,7 @@ class ZeRO3(UnitSchedule, Engine):
             shard.copy_(master)
 
     def _drop_step_grads(self):
-        self._exposed = False
+        self.life.grads_dropped()
         if self.views is not None:
             self.views.drop_grads()
         for u in self._trained():       # (fp32: the master's grad IS the gradient shard)
