@@ -190,40 +190,23 @@ def place_per_parameter(opt, params, masters) -> None:
 # ------------------------------------------------------------------ FSDP2's order
 
 
-_WAITING: dict = {}          # id(parameter) -> (weakref of it, weakref of the engine awaiting it)
-_global_hook = None
-
-
 def await_optimizer(engine) -> None:
     """FSDP2's order: the engine was built without an optimizer, and the script builds one over
-    engine.parameters() (or the model's) afterwards. PyTorch calls this hook before EVERY
-    optimizer's step; the first step of an optimizer over this engine's parameters hands it to
-    the engine (engine.adopt: its groups move onto the engine's tensors), and this very step is
-    then the engine's (the step hooks it registers run right after this one)."""
-    global _global_hook
+    engine.parameters() (or the model's) afterwards. The one public place that sees an optimizer
+    the engine was never given is PyTorch's global step pre-hook, which runs before every
+    optimizer's step; so the engine registers one for itself, only while it waits. The first step
+    of an optimizer over its parameters hands that optimizer to it (engine.adopt: its groups move
+    onto the engine's tensors) and removes the hook; this very step is then the engine's (the step
+    hooks adopt registers run right after this one). The hook holds a weak reference to the
+    engine, and goes with it."""
     me = weakref.ref(engine)
-    for p in engine.model.parameters():
-        _WAITING[id(p)] = (weakref.ref(p), me)
-    if _global_hook is None:
-        _global_hook = register_optimizer_step_pre_hook(_adopt_on_first_step)
+    mine = {id(p) for p in engine.model.parameters()}     # (alive as long as the engine is)
 
+    def adopt_on_first_step(opt, args, kwargs):
+        waiting = me()
+        if waiting is not None and any(id(p) in mine for g in opt.param_groups for p in g["params"]):
+            handle.remove()
+            waiting.adopt(opt)
 
-def _awaited_by(t):
-    """The live engine awaiting an optimizer over tensor t, or None."""
-    entry = _WAITING.get(id(t))
-    if entry is None or entry[0]() is not t:
-        return None
-    return entry[1]()
-
-
-def _adopt_on_first_step(opt, args, kwargs):
-    if not _WAITING:
-        return None
-    for group in opt.param_groups:
-        engine = _awaited_by(group["params"][0]) if group["params"] else None
-        if engine is not None:
-            for p in engine.model.parameters():
-                _WAITING.pop(id(p), None)
-            engine.adopt(opt)
-            return None
-    return None
+    handle = register_optimizer_step_pre_hook(adopt_on_first_step)
+    weakref.finalize(engine, handle.remove)
