@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zerolab as zl
-from zerolab.engines.zero3.units import GradState, ParamState
+from zerolab.engines.zero3.unit_state import GradState, ParamState
 
 
 def _unit():

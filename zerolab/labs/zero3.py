@@ -29,7 +29,8 @@ import torch.nn as nn
 
 # the library's code: its seams are the reference
 from ..engines.zero3 import units as library_units
-from ..engines.zero3.units import GradState, Unit
+from ..engines.zero3.unit_state import GradState
+from ..engines.zero3.units import Unit
 from ..engines.zero3 import ZeRO3
 from ..engines.zero3.schedule import UnitSchedule
 from .checks import PARITY, Piece, adam_state_bytes, check_collectives, check_parity, fmt_bytes, per_step

@@ -22,7 +22,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..base import tensors_in
-from .units import Event, GradState, _InputsGradDone
+from .unit_state import GradState
+from .units import Event, _InputsGradDone
 
 EVENTS_KEPT = 4096      # engine.events keeps the most recent: several steps of any model in the book
 
