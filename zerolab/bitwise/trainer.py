@@ -94,6 +94,7 @@ class BitwiseDataParallel:
         check_elementwise_optimizer(self.optimizer)
         self._tree = TreeAccumulator(plan.chunks_per_rank)
         self._chunk_rows = None
+        self.last_clip_coefficient = None     # the last step's clip coefficient (a 0-d tensor), if clipping
 
     # ------------------------------------------------------------------ the step in pieces
     def backward(self, micro_batch, chunk_rows: int) -> None:
@@ -118,7 +119,8 @@ class BitwiseDataParallel:
         grad.mul_(1.0 / self.plan.num_chunks)   # the mean over chunks; C is a power of two: exact
         if self.max_grad_norm is not None:
             sumsq = fixed_order_sum_of_squares(grad, self.layout.block, self.comm, sharded=self.shard_optimizer)
-            grad.mul_(clip_coefficient(sumsq, self.max_grad_norm))
+            self.last_clip_coefficient = clip_coefficient(sumsq, self.max_grad_norm)
+            grad.mul_(self.last_clip_coefficient)
         self.master.grad = grad
         self.optimizer.step()
         self.master.grad = None
