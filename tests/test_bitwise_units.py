@@ -6,7 +6,8 @@
 * across 1, 2, 4 and 8 gloo ranks, tree_reduce_scatter and tree_all_reduce give the bits of
   the one-process tree sum, while torch.distributed's own all-reduce of the same partial sums
   does not (on some world size);
-* the block norm is the same bits on a whole vector, on shards, and with any zero padding;
+* the block norm is the same bits on a whole vector, on shards (in one process and on 1, 2, 4,
+  8 ranks, each holding a shard), and with any zero padding;
 * the premise of layout independence: SGD and AdamW (foreach=False) on a slice at any offset
   give the same bits as on the whole vector, on this CPU's kernel set;
 * differing_bits counts bits exactly.
@@ -112,7 +113,29 @@ def tree_worker():
     shard = tree_reduce_scatter(local.clone(), ledger)
     plain = local.clone()
     dist.all_reduce(plain)          # the library's own order (gloo's algorithm)
-    return full, shard, plain, ledger.bytes(op="send")
+    sent = ledger.bytes(op="send")
+    x = norm_vector()
+    norm = fixed_order_sum_of_squares(x.view(n, -1)[r], NORM_BLOCK, ledger, sharded=True)
+    return full, shard, plain, sent, norm
+
+
+NORM_BLOCK = 64
+
+
+def plain_block_norm(x, block):
+    """The norm's order written out: squares, each block halved to one, the block sums halved to one."""
+    v = (x * x).view(-1, block)
+    while v.shape[-1] > 1:
+        v = v[:, :v.shape[-1] // 2] + v[:, v.shape[-1] // 2:]
+    v = v[:, 0]
+    while v.numel() > 1:
+        v = v[:v.numel() // 2] + v[v.numel() // 2:]
+    return v[0]
+
+
+def norm_vector():
+    """A vector whose squares' sum changes with the order of addition (4096: 8 shards of 8 blocks)."""
+    return torch.randn(4096, generator=torch.Generator().manual_seed(3))
 
 
 @pytest.mark.slow
@@ -121,7 +144,8 @@ def test_tree_across_ranks_is_the_one_process_tree():
     plain_differs = []
     for n in (1, 2, 4, 8):
         results = zl.launch(tree_worker, n)
-        for r, (full, shard, plain, sent) in enumerate(results):
+        for r, (full, shard, plain, sent, norm) in enumerate(results):
+            assert torch.equal(norm, plain_block_norm(norm_vector(), NORM_BLOCK)), f"norm at N={n}"
             assert torch.equal(full, reference), f"all-reduce at N={n}, rank {r}"
             assert torch.equal(shard, reference.view(n, -1)[r]), f"reduce-scatter at N={n}, rank {r}"
             # recursive halving sends (N-1)/N of the vector per rank (the ring's bytes), twice for
