@@ -3,7 +3,8 @@ torch.equal master weights and optimizer state, and those equal an independent o
 reference written here (per-parameter tensors, a recursive tree, the norm's blocks by hand,
 torch's own optimizer on one tensor per parameter). No tolerance anywhere.
 
-The matrix: a two-layer MLP and the nano GPT; fp32, and bf16 compute with fp32 masters; SGD
+The matrix: a two-layer MLP, the nano GPT (also with tied embeddings) and AwkwardModel
+(frozen, unused, reused and tied weights, odd sizes); fp32, and bf16 compute with fp32 masters; SGD
 with momentum and AdamW; gradient accumulation (2 micro-batches per rank); global-norm
 clipping that binds; the optimizer on the whole vector (DDP) or on this rank's shard (ZeRO).
 
@@ -22,7 +23,7 @@ import zerolab as zl
 from zerolab.bitwise import BitwiseDataParallel, ChunkPlan, differing_bits
 from zerolab.bitwise.drift import drift_by_world_size
 from zerolab.data import CharDataset, SyntheticRegression
-from zerolab.models import GPT, TinyMLP, gpt_config, gpt_loss, regression_loss
+from zerolab.models import GPT, AwkwardModel, TinyMLP, gpt_config, gpt_loss, regression_loss
 
 pytestmark = pytest.mark.slow     # launches ranks
 
@@ -53,6 +54,9 @@ CASES = [
     Case("gpt", "fp32", ADAMW, 0.3, 2, True),
     Case("gpt", "bf16", SGD, 0.3, 1, True),
     Case("gpt", "bf16", ADAMW, 0.3, 2, False),
+    Case("gpt_tied", "fp32", ADAMW, 0.3, 2, True),
+    Case("awkward", "fp32", ADAMW, 0.05, 2, True),
+    Case("awkward", "bf16", SGD, 0.05, 1, False),
 ]
 
 
@@ -61,7 +65,9 @@ def build(kind, seed):
     torch.manual_seed(seed)
     if kind == "mlp":
         return TinyMLP(16, 32, 4), SyntheticRegression(16, 4), regression_loss, 32
-    return GPT(gpt_config("nano")), CharDataset(32), gpt_loss, 16
+    if kind == "awkward":       # odd sizes, a frozen layer, an unused branch, a reused and a tied weight
+        return AwkwardModel(), SyntheticRegression(d_in=13, d_out=5), regression_loss, 32
+    return GPT(gpt_config("nano", tie_weights=(kind == "gpt_tied"))), CharDataset(32), gpt_loss, 16
 
 
 # ------------------------------------------------------------------ the ranks

@@ -60,7 +60,7 @@ def check_elementwise_optimizer(optimizer) -> None:
 class BitwiseDataParallel:
     """Data parallelism with every order of addition fixed (see the module's docstring).
 
-    model: built the same on every rank (rank 0's weights are broadcast all the same).
+    model: every rank starts from rank 0's parameters (frozen ones too) and buffers, broadcast.
     optimizer: a factory params -> SGD | Adam | AdamW (foreach and fused unset or False).
     loss_fn(model, chunk) -> loss or (output, loss): the chunk's MEAN loss.
     precision: "fp32", or "bf16" (bf16 model and gradients, fp32 master weights and sums).
@@ -84,9 +84,11 @@ class BitwiseDataParallel:
         self.model, self.loss_fn, self.plan = model, loss_fn, plan
         self.max_grad_norm, self.shard_optimizer = max_grad_norm, shard_optimizer
         self.comm = ledger if ledger is not None else Ledger()
+        with torch.no_grad():       # every rank starts from rank 0's model: frozen weights and buffers too
+            for t in [*model.parameters(), *model.buffers()]:
+                self.comm.broadcast(t.data, src=0, tag="bitwise:setup")     # a copy: no arithmetic
         self.layout = FlatLayout(trainable_parameters(model), self.world_size, block)
         master = self.layout.flatten([p.detach() for p in self.layout.params])
-        self.comm.broadcast(master, src=0, tag="bitwise:setup")        # a copy: no arithmetic
         model.to(self.policy.compute_dtype)
         self.layout.write_into_params(master)
         self.master = self.layout.shard(master, self.rank).clone() if shard_optimizer else master
