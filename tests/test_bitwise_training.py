@@ -6,7 +6,8 @@ torch's own optimizer on one tensor per parameter). No tolerance anywhere.
 The matrix: a two-layer MLP, the nano GPT (also with tied embeddings) and AwkwardModel
 (frozen, unused, reused and tied weights, odd sizes); fp32, and bf16 compute with fp32 masters; SGD
 with momentum and AdamW; gradient accumulation (2 micro-batches per rank); global-norm
-clipping that binds; the optimizer on the whole vector (DDP) or on this rank's shard (ZeRO).
+clipping that binds; the optimizer on the whole vector (DDP) or on this rank's shard (ZeRO);
+chunks shared out in runs or interleaved (the same tree, reduced at the end or chunk by chunk).
 
 And the reason for the mode: zl.DDP's default path on the same GPT and the same global
 batches does NOT end with the same bits at 2, 4 and 8 ranks as on one (zerolab.bitwise.drift).
@@ -34,17 +35,19 @@ ADAMW = functools.partial(torch.optim.AdamW, lr=3e-3, weight_decay=0.1, foreach=
 
 @dataclass(frozen=True)
 class Case:
-    kind: str                  # "mlp" | "gpt"
+    kind: str                  # "mlp" | "gpt" | "gpt_tied" | "awkward"
     precision: str             # "fp32" | "bf16"
     optimizer: object
     max_grad_norm: float | None
     micro_batches: int
     shard_optimizer: bool
+    interleaved: bool = False  # chunks r, r+N, ... (reduce-scattered chunk by chunk) instead of a run
 
     @property
     def name(self):
         return (f"{self.kind}-{self.precision}-{self.optimizer.func.__name__}-clip{self.max_grad_norm}"
-                f"-micro{self.micro_batches}-{'shard' if self.shard_optimizer else 'whole'}")
+                f"-micro{self.micro_batches}-{'shard' if self.shard_optimizer else 'whole'}"
+                f"{'-interleaved' if self.interleaved else ''}")
 
 
 CASES = [
@@ -57,6 +60,8 @@ CASES = [
     Case("gpt_tied", "fp32", ADAMW, 0.3, 2, True),
     Case("awkward", "fp32", ADAMW, 0.05, 2, True),
     Case("awkward", "bf16", SGD, 0.05, 1, False),
+    Case("gpt", "fp32", ADAMW, 0.3, 2, True, interleaved=True),
+    Case("mlp", "bf16", SGD, 0.05, 2, False, interleaved=True),
 ]
 
 
@@ -79,7 +84,8 @@ def train_worker(cases):
     for case in cases:
         # rank 0's weights are broadcast: the other ranks start from different ones on purpose
         model, data, loss_fn, rows = build(case.kind, 0 if dist.get_rank() == 0 else 100 + dist.get_rank())
-        trainer = BitwiseDataParallel(model, case.optimizer, loss_fn, ChunkPlan(CHUNKS, dist.get_world_size()),
+        plan = ChunkPlan(CHUNKS, dist.get_world_size(), interleaved=case.interleaved)
+        trainer = BitwiseDataParallel(model, case.optimizer, loss_fn, plan,
                                       precision=case.precision, max_grad_norm=case.max_grad_norm,
                                       shard_optimizer=case.shard_optimizer, block=BLOCK)
         coefs = []

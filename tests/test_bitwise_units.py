@@ -60,8 +60,11 @@ def test_plan_refuses_by_name(chunks, world, words):
 
 def test_plan_refuses_a_batch_the_chunks_do_not_divide():
     plan = ChunkPlan(16, 4)
-    assert plan.chunk_rows(32) == 2 and plan.rank_rows(32, 3) == slice(24, 32)
+    assert plan.chunk_rows(32) == 2 and plan.rank_rows(32, 3).tolist() == list(range(24, 32))
     assert list(plan.chunks_of(1)) == [4, 5, 6, 7]
+    interleaved = ChunkPlan(16, 4, interleaved=True)
+    assert list(interleaved.chunks_of(1)) == [1, 5, 9, 13]
+    assert interleaved.rank_rows(32, 1).tolist() == [2, 3, 10, 11, 18, 19, 26, 27]
     with pytest.raises(ValueError, match="cannot be cut into 16 equal chunks"):
         plan.chunk_rows(40)
 

@@ -12,6 +12,16 @@ Why powers of two: the tree is a perfect binary tree over chunk indices, and ran
 contiguous chunks [r*C/N, (r+1)*C/N). That run is a subtree of the global tree only when C/N
 is a power of two and the runs are aligned, which holds for every N dividing C when C and N
 are powers of two. Dividing the summed gradient by C is then also exact (a power of two).
+
+Two ways to share the chunks out, the same tree either way (a chunk's index, not its rank,
+decides where it sits in the tree):
+  contiguous   rank r owns chunks r*C/N .. (r+1)*C/N - 1: its chunks are one subtree (the
+               tree's lower levels, added inside the rank), and the ranks' subtrees meet in the
+               top levels (one reduce-scatter per step); the rank holds full-size partial sums.
+  interleaved  rank r owns chunks r, r+N, r+2N, ...: each round of N consecutive chunks (one per
+               rank) is a subtree whose lower levels cross ranks (a reduce-scatter per round),
+               and the rounds meet in the top levels, on shards: the rank holds only shards of
+               partial sums (what ZeRO-2 and 3 need), at one reduce-scatter per round.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ class ChunkPlan:
 
     num_chunks: int
     world_size: int
+    interleaved: bool = False
 
     def __post_init__(self):
         if not is_power_of_two(self.num_chunks):
@@ -48,9 +59,12 @@ class ChunkPlan:
         return self.num_chunks // self.world_size
 
     def chunks_of(self, rank: int) -> range:
-        """The chunk indices rank `rank` owns: a contiguous, aligned run (one subtree)."""
+        """The chunk indices rank `rank` owns, in the order it computes them: a contiguous,
+        aligned run (one subtree), or every N-th chunk from r (one leaf of each round)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks")
+        if self.interleaved:
+            return range(rank, self.num_chunks, self.world_size)
         return range(rank * self.chunks_per_rank, (rank + 1) * self.chunks_per_rank)
 
     def chunk_rows(self, global_rows: int) -> int:
@@ -60,11 +74,10 @@ class ChunkPlan:
                              f"{self.num_chunks} equal chunks; use a batch that num_chunks divides")
         return global_rows // self.num_chunks
 
-    def rank_rows(self, global_rows: int, rank: int) -> slice:
-        """The rows of the global batch that rank `rank`'s chunks cover."""
+    def rank_rows(self, global_rows: int, rank: int) -> torch.Tensor:
+        """The indices of the global batch's rows that rank `rank`'s chunks cover, chunk by chunk."""
         per_chunk = self.chunk_rows(global_rows)
-        chunks = self.chunks_of(rank)
-        return slice(chunks.start * per_chunk, chunks.stop * per_chunk)
+        return torch.cat([torch.arange(c * per_chunk, (c + 1) * per_chunk) for c in self.chunks_of(rank)])
 
 
 def split_rows(batch, rows: int) -> list:

@@ -11,7 +11,10 @@ One step, and what fixes its order:
      chunk gradients, fed a micro-batch at a time, are added in this rank's subtree of the
      fixed tree (TreeAccumulator): accumulation is just more leaves of the same tree;
   2. across ranks: recursive halving along the tree (a reduce-scatter), then, for a whole
-     vector, an all-gather (zerolab.bitwise.tree); then divide by C, a power of two: exact;
+     vector, an all-gather (zerolab.bitwise.tree); then divide by C, a power of two: exact.
+     With ChunkPlan(interleaved=True) the order of 1 and 2 turns round: each chunk is
+     reduce-scattered as soon as it is computed (its round's lower levels cross ranks) and
+     the rounds are added on the shard, so no full-size partial sum outlives a chunk;
   3. clip: the fixed-order squared norm over fixed blocks (zerolab.bitwise.norm);
   4. the optimizer steps the fp32 master vector, whole or this rank's shard.
 
@@ -110,14 +113,19 @@ class BitwiseDataParallel:
             if self._tree.added == self._tree.count:
                 raise RuntimeError(f"bitwise mode: this rank owns {self._tree.count} chunks per step and "
                                    f"was given more before step()")
-            self._tree.add(chunk_gradient(self.model, self.loss_fn, chunk, self.layout, self.policy.compute_dtype))
+            grad = chunk_gradient(self.model, self.loss_fn, chunk, self.layout, self.policy.compute_dtype)
+            if self.plan.interleaved:       # this chunk is this rank's leaf of a round: add across ranks now
+                grad = tree_reduce_scatter(grad, self.comm)
+            self._tree.add(grad)
 
     def step(self) -> None:
         """Add the chunks across ranks in the fixed tree, clip, update, refresh the model's weights."""
         local = self._tree.result()
         self._tree, self._chunk_rows = TreeAccumulator(self.plan.chunks_per_rank), None
-        reduce = tree_reduce_scatter if self.shard_optimizer else tree_all_reduce
-        grad = reduce(local, self.comm)
+        if self.plan.interleaved:           # the rounds' sums, on this rank's shard
+            grad = local if self.shard_optimizer else self._gather(local)
+        else:                               # this rank's subtree, whole: the top levels cross ranks
+            grad = (tree_reduce_scatter if self.shard_optimizer else tree_all_reduce)(local, self.comm)
         grad.mul_(1.0 / self.plan.num_chunks)   # the mean over chunks; C is a power of two: exact
         if self.max_grad_norm is not None:
             sumsq = fixed_order_sum_of_squares(grad, self.layout.block, self.comm, sharded=self.shard_optimizer)
@@ -137,20 +145,24 @@ class BitwiseDataParallel:
         if micro_batches < 1 or self.plan.chunks_per_rank % micro_batches:
             raise ValueError(f"bitwise mode: {micro_batches} micro-batches cannot share this rank's "
                              f"{self.plan.chunks_per_rank} chunks equally")
-        mine = self.plan.rank_rows(rows, self.rank)
+        mine = self.plan.rank_rows(rows, self.rank)          # this rank's chunks' rows, chunk by chunk
         local = tuple(t[mine] for t in tensors)
         for micro in split_rows(local, chunk_rows * self.plan.chunks_per_rank // micro_batches):
             self.backward(micro, chunk_rows)
         self.step()
 
     # ------------------------------------------------------------------ reading the state
+    def _gather(self, shard: torch.Tensor, tag: str = "bitwise:gather") -> torch.Tensor:
+        """The whole flat vector from every rank's shard (a concatenation: nothing is added)."""
+        if self.world_size == 1:
+            return shard
+        full = torch.empty(self.layout.padded, dtype=shard.dtype)
+        self.comm.all_gather(full, shard.contiguous(), tag=tag)
+        return full
+
     def full_master(self) -> torch.Tensor:
         """The whole fp32 master vector (gathered from the shards when they are sharded)."""
-        if not self.shard_optimizer or self.world_size == 1:
-            return self.master
-        full = torch.empty(self.layout.padded, dtype=self.master.dtype)
-        self.comm.all_gather(full, self.master, tag="bitwise:weights")
-        return full
+        return self._gather(self.master, "bitwise:weights") if self.shard_optimizer else self.master
 
     def master_state(self) -> dict:
         """{name: fp32 master weight} in the model's names (every rank calls it when sharded)."""
@@ -166,10 +178,8 @@ class BitwiseDataParallel:
         for key in sorted(state):
             value = state[key]
             if isinstance(value, torch.Tensor) and value.shape == self.master.shape:
-                if self.shard_optimizer and self.world_size > 1:
-                    full = torch.empty(self.layout.padded, dtype=value.dtype)
-                    self.comm.all_gather(full, value.contiguous(), tag="bitwise:state")
-                    value = full
+                if self.shard_optimizer:
+                    value = self._gather(value, "bitwise:state")
                 out[key] = value[:self.layout.numel].clone()
             else:
                 out[key] = value.clone() if isinstance(value, torch.Tensor) else torch.tensor(value)
