@@ -13,8 +13,10 @@ This package fixes every order of addition so that the world size no longer chan
     norm        the squared norm summed over fixed blocks in a fixed tree, for clipping
     trainer     a small data-parallel trainer on top (SGD, AdamW; accumulation; clipping;
                 fp32 or bf16 compute with fp32 masters), whole vector or ZeRO-style shards
-    bits        how many bits differ between two sets of weights (the default path's drift)
+    bits        how many bits differ between two sets of weights
+    drift       the default path (zl.DDP) against the bitwise mode: differing bits against N
     cost        the bitwise step's time and bytes beside zl.DDP's ring all-reduce
+(drift and cost launch ranks and use zl.DDP: import them by name; the rest is below the engines.)
 """
 
 from .bits import differing_bits
