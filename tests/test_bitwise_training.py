@@ -3,8 +3,8 @@ torch.equal master weights and optimizer state, and those equal an independent o
 reference written here (per-parameter tensors, a recursive tree, the norm's blocks by hand,
 torch's own optimizer on one tensor per parameter). No tolerance anywhere.
 
-The matrix: a two-layer MLP, the nano GPT (also with tied embeddings) and AwkwardModel
-(frozen, unused, reused and tied weights, odd sizes); fp32, and bf16 compute with fp32 masters; SGD
+The matrix: a two-layer MLP, the nano GPT (also with tied embeddings), AwkwardModel (frozen,
+unused, reused and tied weights, odd sizes) and a Hugging Face GPT-2 called with keywords; fp32, and bf16 compute with fp32 masters; SGD
 with momentum and AdamW; gradient accumulation (2 micro-batches per rank); global-norm
 clipping that binds; the optimizer on the whole vector (DDP) or on this rank's shard (ZeRO);
 chunks shared out in runs or interleaved (the same tree, reduced at the end or chunk by chunk).
@@ -25,6 +25,8 @@ from zerolab.bitwise import BitwiseDataParallel, ChunkPlan, differing_bits
 from zerolab.bitwise.drift import drift_by_world_size
 from zerolab.data import CharDataset, SyntheticRegression
 from zerolab.models import GPT, AwkwardModel, TinyMLP, gpt_config, gpt_loss, regression_loss
+
+from helpers import hf_gpt2, tokens
 
 pytestmark = pytest.mark.slow     # launches ranks
 
@@ -62,6 +64,8 @@ CASES = [
     Case("awkward", "bf16", SGD, 0.05, 1, False),
     Case("gpt", "fp32", ADAMW, 0.3, 2, True, interleaved=True),
     Case("mlp", "bf16", SGD, 0.05, 2, False, interleaved=True),
+    Case("hf", "fp32", ADAMW, 0.3, 2, True),
+    Case("hf", "bf16", ADAMW, 0.3, 1, False, interleaved=True),
 ]
 
 
@@ -72,7 +76,20 @@ def build(kind, seed):
         return TinyMLP(16, 32, 4), SyntheticRegression(16, 4), regression_loss, 32
     if kind == "awkward":       # odd sizes, a frozen layer, an unused branch, a reused and a tied weight
         return AwkwardModel(), SyntheticRegression(d_in=13, d_out=5), regression_loss, 32
+    if kind == "hf":            # a Hugging Face GPT-2 (tied embeddings), called with keywords
+        return hf_gpt2(), Tokens(), hf_loss, 16
     return GPT(gpt_config("nano", tie_weights=(kind == "gpt_tied"))), CharDataset(32), gpt_loss, 16
+
+
+class Tokens:
+    """Global batches of random token ids for the Hugging Face model: (ids,), its own labels."""
+
+    def global_batch(self, step, rows):
+        return (tokens(step, rows),)
+
+
+def hf_loss(model, batch):
+    return model(input_ids=batch[0], labels=batch[0]).loss
 
 
 # ------------------------------------------------------------------ the ranks
@@ -121,14 +138,20 @@ def reference_run(case):
     opt = case.optimizer(masters)
     per_chunk = rows // CHUNKS
     names = {id(p): n for n, p in model.named_parameters()}
+    def cast(t):
+        return t.to(dtype) if t.is_floating_point() else t
+
+    def forward(*args, **kwargs):
+        return model(*map(cast, args), **{k: cast(v) for k, v in kwargs.items()})
+
     for step in range(STEPS):
-        x, y = data.global_batch(step, rows)
+        batch = data.global_batch(step, rows)
         chunk_grads = []
         for c in range(CHUNKS):
-            xc, yc = x[c * per_chunk:(c + 1) * per_chunk], y[c * per_chunk:(c + 1) * per_chunk]
+            chunk = tuple(t[c * per_chunk:(c + 1) * per_chunk] for t in batch)
             model.zero_grad(set_to_none=True)
-            forward = (lambda inp: model(inp.to(dtype) if inp.is_floating_point() else inp))
-            loss_fn(forward, (xc, yc))[1].backward()
+            out = loss_fn(forward, chunk)
+            (out[1] if isinstance(out, tuple) else out).backward()
             chunk_grads.append([torch.zeros(p.shape) if p.grad is None else p.grad.float() for p in params])
         grads = [tree([cg[i] for cg in chunk_grads]) * (1.0 / CHUNKS) for i in range(len(params))]
         if case.max_grad_norm is not None:

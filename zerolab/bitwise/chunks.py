@@ -102,9 +102,10 @@ class CastInputs:
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
         self.model, self.dtype = model, dtype
 
-    def __call__(self, *args):
-        return self.model(*(a.to(self.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                            for a in args))
+    def __call__(self, *args, **kwargs):
+        def cast(a):
+            return a.to(self.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+        return self.model(*(cast(a) for a in args), **{k: cast(v) for k, v in kwargs.items()})
 
 
 def chunk_gradient(model: torch.nn.Module, loss_fn, chunk, layout, compute_dtype=torch.float32) -> torch.Tensor:
