@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow     # launches ranks
 def test_bytes_are_the_closed_form_and_times_a_spread():
     rows = measure_cost(world_sizes=(2, 4), size="nano", steps=2, warmup=1)
     for n, row in rows.items():
-        for name in ("ring", "bitwise"):
+        for name in ("ring", "bitwise", "bitwise_interleaved"):
             assert row[name]["bytes_per_step"] == row[name]["bytes_closed_form"], (n, name, row[name])
             t = row[name]["step_s"]
             assert 0 < t["min"] <= t["median"] <= t["max"]
