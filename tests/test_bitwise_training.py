@@ -109,6 +109,7 @@ def train_worker(cases):
         for step in range(STEPS):
             trainer.train_step(data.global_batch(step, rows), micro_batches=case.micro_batches)
             coefs.append(trainer.last_clip_coefficient)
+        assert trainer.conditions()["threads_per_rank"] == 1     # (zl.launch: one thread per rank)
         out.append((trainer.master_state(), trainer.optimizer_state(), coefs))
     return out
 

@@ -232,3 +232,15 @@ def test_differing_bits_counts_exactly():
     counts = differing_bits({"a": a, "c": c}, {"a": b, "c": d})
     assert counts == {"a": {"numel": 5, "elements": 2, "bits": 2}, "c": {"numel": 2, "elements": 1, "bits": 1}}
     assert differing_bits({"a": a}, {"a": a.clone()})["a"]["bits"] == 0
+
+
+def uneven_threads_worker():
+    torch.set_num_threads(1 + dist.get_rank())
+    BitwiseDataParallel(TinyMLP(), torch.optim.AdamW, regression_loss, ChunkPlan(4, dist.get_world_size()))
+
+
+@pytest.mark.slow
+def test_ranks_with_different_thread_counts_are_refused():
+    # a CPU matmul splits its work by thread: 1 and 2 threads give a chunk other bits
+    with pytest.raises(zl.LaunchError, match="between 1 and 2 threads"):
+        zl.launch(uneven_threads_worker, 2)

@@ -87,6 +87,7 @@ class BitwiseDataParallel:
         self.model, self.loss_fn, self.plan = model, loss_fn, plan
         self.max_grad_norm, self.shard_optimizer = max_grad_norm, shard_optimizer
         self.comm = ledger if ledger is not None else Ledger()
+        self._check_same_threads()
         with torch.no_grad():       # every rank starts from rank 0's model: frozen weights and buffers too
             for t in [*model.parameters(), *model.buffers()]:
                 self.comm.broadcast(t.data, src=0, tag="bitwise:setup")     # a copy: no arithmetic
@@ -150,6 +151,23 @@ class BitwiseDataParallel:
         for micro in split_rows(local, chunk_rows * self.plan.chunks_per_rank // micro_batches):
             self.backward(micro, chunk_rows)
         self.step()
+
+    def _check_same_threads(self) -> None:
+        """Refuse ranks that compute with different numbers of intra-op threads: a CPU matmul
+        splits its work by thread, so a chunk's gradient would depend on which rank computes it."""
+        threads = torch.tensor([torch.get_num_threads(), -torch.get_num_threads()])
+        self.comm.all_reduce(threads, op="max", tag="bitwise:setup")
+        if threads[0] != -threads[1]:
+            raise ValueError(f"bitwise mode: the ranks compute with between {-int(threads[1])} and "
+                             f"{int(threads[0])} threads; give every rank the same torch.set_num_threads")
+
+    def conditions(self) -> dict:
+        """What else must match for two runs to end with the same bits (compare these between a
+        run on 1 rank and one on N): the same torch, the same CPU kernel set, the same threads per
+        rank, and the same chunks. The world size, and sharding or not, are free."""
+        return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                "threads_per_rank": torch.get_num_threads(), "num_chunks": self.plan.num_chunks,
+                "norm_block": self.layout.block, "precision": self.policy.name}
 
     # ------------------------------------------------------------------ reading the state
     def _gather(self, shard: torch.Tensor, tag: str = "bitwise:gather") -> torch.Tensor:
