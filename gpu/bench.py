@@ -26,8 +26,8 @@ import sys
 import torch
 
 import zerolab as zl
-from gpu.common import bf16_matmul_peak, write_json
-from gpu.workers import BENCH_ENGINES, bench_cfg, bench_worker
+from gpu.common import bench_cfg, bf16_matmul_peak, write_json
+from gpu.workers.bench import BENCH_ENGINES, bench_worker
 from zerolab.memory import model_state_bytes
 from zerolab.book.mfu import flops_per_token
 from zerolab.bench import DEEPSPEED_GRADIENT_CLIPPING

@@ -1,8 +1,12 @@
-"""What every gpu/ result file carries: the machine, the date and the library versions."""
+"""What every gpu/ script shares: the machine, the date and the library versions every result file
+carries; the memory helpers (settle, state_bytes); and what each rank runs on (compute_device, the
+bench's models, the token batches every run draws).
+"""
 
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import platform
@@ -10,6 +14,10 @@ import subprocess
 import sys
 
 import torch
+import torch.distributed as dist
+
+import zerolab as zl
+from zerolab.models import GPTConfig
 
 
 def _smi(query: str) -> str | None:
@@ -77,7 +85,6 @@ def settle(dev, empty_cache: bool = True) -> int:
     (an engine's reference cycles free its buffers only then), wait for the GPU, optionally return
     cached blocks. Every memory figure of gpu/ is taken after it, so none depends on when the
     garbage collector happened to run."""
-    import gc
     gc.collect()
     torch.cuda.synchronize(dev)
     if empty_cache:
@@ -111,3 +118,37 @@ def state_bytes(engine=None, module=None, optimizer=None) -> int | None:
             if torch.is_tensor(v):
                 add(v)
     return sum(storages.values())
+
+
+# ------------------------------------------------------------------ what each rank runs on
+
+
+def compute_device() -> torch.device:
+    """This rank's GPU under NCCL; cuda:0 shared by all ranks under gloo; the CPU without a GPU."""
+    if torch.cuda.is_available():
+        return zl.device() if zl.device().type == "cuda" else torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def backend_name() -> str:
+    return str(dist.get_backend())
+
+
+def bench_cfg(name: str) -> GPTConfig:
+    """The models of the GPU bench: GPT-2 medium-like (~406 M params) and GPT-2 small-like (~163 M)."""
+    if name == "350m":
+        return GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1024)
+    if name == "124m":
+        return GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+    if name == "cpu-test":   # for trying the scripts on a CPU
+        return GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=2, n_embd=64)
+    raise ValueError(name)
+
+
+def token_batch(cfg, step, batch, rank, n, dev):
+    """Rank `rank`'s `batch` sequences of step `step` (inputs, targets): random tokens, the same global
+    batch of batch * n sequences on every rank and in every run, cut by rank."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(0, cfg.vocab_size, (batch * n, cfg.block_size + 1), generator=g)
+    x = x[rank * batch:(rank + 1) * batch]
+    return x[:, :-1].to(dev, non_blocking=True), x[:, 1:].to(dev, non_blocking=True)

@@ -21,7 +21,6 @@ OUTDIR/fastpath.jsonl as they finish, so a run cut short keeps what it measured.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import statistics
@@ -31,11 +30,9 @@ import traceback
 from functools import partial
 
 import torch
-import torch.distributed as dist
 
 import zerolab as zl
-from gpu.common import bf16_matmul_peak, machine
-from gpu.workers import _batch, bench_cfg, compute_device
+from gpu.common import bench_cfg, bf16_matmul_peak, compute_device, machine, token_batch
 from zerolab.bench import DEEPSPEED_GRADIENT_CLIPPING, deepspeed_config, fsdp2, make_zerolab, torch_ddp
 from zerolab.book.mfu import flops_per_token
 from zerolab.models import GPT, gpt_loss
@@ -96,7 +93,7 @@ def fastpath_worker(cfg_name, batch, names, compiled, warmup, steps, jsonl):
             del model
 
             def one(s):
-                x, y = _batch(cfg, s, batch, 0, 1, dev)
+                x, y = token_batch(cfg, s, batch, 0, 1, dev)
                 with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
                     _, loss = gpt_loss(fwd, (x, y))
                 bwd(loss)

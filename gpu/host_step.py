@@ -59,8 +59,7 @@ from functools import partial
 import torch
 
 import zerolab as zl
-from gpu.common import machine
-from gpu.workers import bench_cfg, compute_device
+from gpu.common import bench_cfg, compute_device, machine
 from zerolab.models import GPT, gpt_loss
 
 LR = 3e-4

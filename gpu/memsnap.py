@@ -19,7 +19,7 @@ import torch
 
 import zerolab as zl
 from gpu.common import write_json
-from gpu.workers import memsnap_worker
+from gpu.workers.memsnap import memsnap_worker
 
 
 def plot(res, path):

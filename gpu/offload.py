@@ -19,7 +19,7 @@ import torch
 
 import zerolab as zl
 from gpu.common import write_json
-from gpu.workers import offload_worker
+from gpu.workers.offload import offload_worker
 
 
 def main(outdir):

@@ -34,8 +34,8 @@ from functools import partial
 import torch
 
 import zerolab as zl
-from gpu.common import machine
-from gpu.workers import _batch, bench_cfg, compute_device, pcie_bandwidth
+from gpu.common import bench_cfg, compute_device, machine, token_batch
+from gpu.workers.offload import pcie_bandwidth
 from zerolab.bench import DEEPSPEED_GRADIENT_CLIPPING, deepspeed_config
 from zerolab.models import GPT, gpt_loss
 
@@ -103,7 +103,7 @@ def offload_cuda_worker(cfg_name, batch, warmup, steps, jsonl, only=None):
                 io0 = disk_io()
                 torch.cuda.synchronize()
                 t = time.perf_counter()
-                _, loss = gpt_loss(eng, _batch(cfg, s, batch, 0, 1, dev))
+                _, loss = gpt_loss(eng, token_batch(cfg, s, batch, 0, 1, dev))
                 eng.backward(loss)
                 eng.step()
                 zero()

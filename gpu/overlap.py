@@ -20,7 +20,7 @@ import torch
 
 import zerolab as zl
 from gpu.common import write_json
-from gpu.workers import ddp_overlap_worker, prefetch_worker
+from gpu.workers.overlap import ddp_overlap_worker, prefetch_worker
 
 
 def main(outdir):

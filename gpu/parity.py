@@ -16,8 +16,8 @@ import sys
 import torch
 
 import zerolab as zl
-from gpu.common import write_json
-from gpu.workers import collectives_probe, compute_device, parity_worker, reference_state
+from gpu.common import compute_device, write_json
+from gpu.workers.parity import collectives_probe, parity_worker, reference_state
 
 TOL = {"fp32": 1e-6, "bf16": 2e-3}
 

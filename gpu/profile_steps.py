@@ -17,7 +17,7 @@ import torch
 
 import zerolab as zl
 from gpu.common import write_json
-from gpu.workers import profile_worker
+from gpu.workers.profile_steps import profile_worker
 
 
 def _union(iv):

@@ -1,6 +1,8 @@
 """The fault matrix: a rank that raises, exits, is killed, hangs or is frozen (SIGSTOP), in the
 forward, the backward or the step of a ZeRO-2 training run, is named, and the job ends within
 the collective timeout plus start-up, whichever rank it is (rank 0 hosts the rendezvous store).
+The faults are train's own (`python -m zerolab train --fault KIND@STEP:RANK`): parsed by
+zerolab.train.parse_fault and made to happen by zerolab.train.inject_fault, here in each phase.
 
 Bound: collective timeout (3 s) + the watchdog's bounded store read (3 s) + start-up and
 teardown on 2 shared cores; the old whole-job deadline was 300 s.
@@ -8,6 +10,10 @@ teardown on 2 shared cores; the old whole-job deadline was 300 s.
 
 import os
 import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
 from functools import partial
 
@@ -16,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
+from zerolab.train import inject_fault, parse_fault
 
 pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
 
@@ -23,46 +30,35 @@ TIMEOUT = 3.0
 BOUND = 40.0
 
 
-def inject(kind):
-    if kind == "raise":
-        raise RuntimeError("injected fault")
-    if kind == "exit":
-        os._exit(3)
-    if kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if kind == "hang":
-        time.sleep(3600)
-    if kind == "stop":
-        os.kill(os.getpid(), signal.SIGSTOP)
-
-
 class FaultInBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, kind):
-        ctx.kind = kind
+    def forward(ctx, x, fault):
+        ctx.fault = fault
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        inject(ctx.kind)
+        inject_fault(ctx.fault)
         return grad, None
 
 
 def faulty_run(kind, phase, who):
+    fault = parse_fault(f"{kind}@2:{who}", dist.get_world_size())     # as train reads --fault
+    _, at, _, _ = fault
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     engine = zl.ZeRO(model, partial(torch.optim.SGD, lr=0.1), stage=2)
     me = dist.get_rank()
     for step in range(4):
-        armed = step == 2 and me == who
+        armed = step == at and me == who
         if armed and phase == "forward":
-            inject(kind)
+            inject_fault(fault)
         x = torch.randn(4, 8)
         if armed and phase == "backward":
-            x = FaultInBackward.apply(x.requires_grad_(), kind)
+            x = FaultInBackward.apply(x.requires_grad_(), fault)
         engine.backward(engine(x).pow(2).mean())
         if armed and phase == "step":
-            inject(kind)
+            inject_fault(fault)
         engine.step()             # ZeRO-2 all-gathers the updated slices here
         engine.zero_grad()
     return "finished"
@@ -92,7 +88,8 @@ def test_every_fault_is_named_within_the_collective_timeout(kind, phase, who):
         # the rank itself is named: its traceback, or how it died; on a loaded machine it may not
         # even reach its fault within the collective timeout, and then the rank waiting for it
         # names it as late, which is as right
-        words = {"raise": "injected fault", "exit": "exited with code 3", "kill": "SIGKILL"}[kind]
+        words = {"raise": f"injected fault: rank {who} raises at step 2", "exit": "exited with code 3",
+                 "kill": "SIGKILL"}[kind]
         assert named_late or (info.value.rank == who and words in message), message[-1500:]
     assert took < BOUND, f"{kind} in {phase} on rank {who}: {took:.1f} s"
 
@@ -128,8 +125,6 @@ def _until_named(cmd, words, limit=90.0):
     frozen by SIGSTOP included: zerolab.launch.in_place asks the kernel to kill them). Returns the
     seconds it took to say `words` (None if never), the output, and the ranks that outlived the
     agent (killed here all the same, so that the suite leaves nothing behind)."""
-    import subprocess
-    import threading
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     lines, start, took = [], time.monotonic(), None
@@ -173,8 +168,6 @@ TORCHRUN_CASES = [("raise", 0, ["rank 0: RuntimeError: injected fault: rank 0 ra
 def test_under_torchrun_every_fault_is_named_within_the_collective_timeout(kind, who, words):
     # torchrun's agent hosts the rendezvous store, so a frozen rank 0 blinds nobody; the rank
     # waiting in the collective names the one that stopped (a killed peer: at once)
-    import socket
-    import sys
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

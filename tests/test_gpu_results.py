@@ -332,17 +332,17 @@ def fsdp2_states_worker(root):
     import sys
     sys.path.insert(0, root)
     import torch
-    from gpu.common import state_bytes
-    from gpu.workers import _batch, _peer, bench_cfg
+    from gpu.common import bench_cfg, state_bytes, token_batch
+    from gpu.workers.engines import peer
     from zerolab.models import GPT, gpt_loss
     cfg, out = bench_cfg("cpu-test"), {}
     for name in ("FSDP2 reshard=False", "FSDP2 reshard=True"):
         torch.manual_seed(0)
         model = GPT(cfg)
         out["psi"], out["tensors"] = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
-        m, opt, _ = _peer(name, model, 25.0, torch.device("cpu"))
+        m, opt, _ = peer(name, model, 25.0, torch.device("cpu"))
         for s in range(2):
-            _, loss = gpt_loss(m, _batch(cfg, s, 2, 0, 1, torch.device("cpu")))
+            _, loss = gpt_loss(m, token_batch(cfg, s, 2, 0, 1, torch.device("cpu")))
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -106,12 +106,12 @@ def train_worker(cfg: TrainConfig, progress=None) -> dict:
             batch = dataset.batch(step, cfg.batch_size, r, n)
         batch = tuple(t.to(_device()) for t in batch)
         if fault is not None and fault[1] == step and fault[2] == r and fault[0] == "nan":
-            _inject(fault, engine.model)
+            inject_fault(fault, engine.model)
         last = step == cfg.steps - 1
         with memory.PeakMemory(_device()) if last else _nothing() as peak:  # measure the last step
             _, loss = models.gpt_loss(engine, batch)
             if fault is not None and fault[1] == step and fault[2] == r and fault[0] != "nan":
-                _inject(fault, engine.model)   # mid-step: the other ranks are entering backward
+                inject_fault(fault, engine.model)   # mid-step: the other ranks are entering backward
             _check_finite(cfg, engine, loss, batch, step)
             engine.backward(loss)
             skipped += not engine.step()
@@ -144,8 +144,10 @@ def train_worker(cfg: TrainConfig, progress=None) -> dict:
             "bytes_sent": engine.comm.bytes(), "params": models.num_params(model)}
 
 
-def _inject(fault, model):
-    """Make the fault `fault` happen now, on this rank (see parse_fault)."""
+def inject_fault(fault, model=None) -> None:
+    """Make the fault `fault` (parse_fault's tuple) happen now, on this rank: what --fault does at its
+    step. A fault is a fault wherever it strikes, so tests/test_fault_matrix.py injects through this
+    function in each phase of a step (forward, backward, the optimizer's step). `model`: for nan only."""
     kind, step, _, module = fault
     if kind == "raise":
         raise RuntimeError(f"injected fault: rank {rank()} raises at step {step}")
@@ -158,6 +160,8 @@ def _inject(fault, model):
     if kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
     if kind == "nan":
+        if model is None:
+            raise ValueError("fault: nan makes a module's output NaN: give inject_fault the model")
         target = dict(model.named_modules()).get(module or "blocks.0.mlp")
         if target is None:
             raise ValueError(f"fault: the model has no module {module!r}")

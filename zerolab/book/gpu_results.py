@@ -18,10 +18,9 @@ import os
 from ..theory.cost_model import H100_PEAK_FLOPS
 from . import gpu_results_ch11_13 as later
 from . import mfu as model_flops
+from .gpu_results_common import CLIP_MARK, CLIP_NOTE, PRECISION_NOTE, RESULTS, clipped, header, precision
 
 CHAPTERS = (2, 5, 8, 9, 10, 11, 12, 13)
-RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "gpu",
-                       "results")
 FILES = ("parity.json", "bench.json", "bench_rep2.json", "memory_snapshot.json", "profile.json", "offload.json",
          "overlap.json", "chapters.json", "fastpath.json", "offload_cuda.json",
          os.path.join(later.H200_RUN, later.H200_JSON), os.path.join(later.H200_HOST_STEP, "host_step.json"),
@@ -37,12 +36,6 @@ def load(name: str, results: str | None = None) -> dict | None:
         return None
     with open(path) as f:
         return json.load(f)
-
-
-def header(machine: dict, script: str = "gpu/run_all.sh") -> str:
-    return (f"**Measured on a GPU ({machine['device']}, {machine['date']})**: torch {machine['torch']}, "
-            f"CUDA {machine['cuda']}, NCCL {machine['nccl']}, driver {machine['driver']}; "
-            f"written by `{script}`, not re-run here.")
 
 
 def _gb(x) -> str:
@@ -104,39 +97,6 @@ def mfu(row, bench) -> float:
     configuration: the files' own MFU fields counted the embedding lookups as 6 FLOPs per parameter too
     (and the first ones divided by the measured matmul rate instead of the datasheet's)."""
     return model_flops.mfu(row["tokens_per_s"], bench["runs"]["world1"]["config"], row["psi"])
-
-
-# How each engine keeps its numbers in the GPU runs (gpu.workers, gpu.fastpath: each as its own users run bf16).
-PRECISION = {"zl.": "bf16 weights, fp32 master", "PyTorch DDP": "fp32 weights, autocast bf16",
-             "FSDP2": "fp32 shards, bf16 compute", "DeepSpeed": "bf16 weights, fp32 master"}
-
-
-def precision(engine: str) -> str:
-    """The precision regime an engine's GPU rows ran in (PyTorch DDP's differs: autocast over fp32)."""
-    return next(v for k, v in PRECISION.items() if engine.startswith(k))
-
-
-def clipped(engine: str, result: dict) -> bool:
-    """Whether a GPU row ran with DeepSpeed's default gradient clipping to a norm of 1.0. DeepSpeed clips
-    unless its config says "gradient_clipping": 0.0, which zerolab.bench.deepspeed_config has said only
-    since every committed GPU file was written; a file records the value it ran with
-    ("deepspeed_gradient_clipping") from then on, and one that does not ran with the default."""
-    return engine.startswith("DeepSpeed") and result.get("deepspeed_gradient_clipping", 1.0) != 0
-
-
-CLIP_MARK = "§"
-PRECISION_NOTE = ("Precision, as each project's users run bf16: zerolab and DeepSpeed keep bf16 weights and "
-                  "gradients with an fp32 master copy and AdamW's moments; FSDP2 keeps fp32 shards, computes on "
-                  "gathered bf16 copies and reduces in bf16; PyTorch DDP runs `torch.autocast` over fp32 weights, "
-                  "so its gradients, their reduction and AdamW are fp32, and the operations autocast leaves "
-                  "alone read and write fp32. The model's FLOPs are the same in all four; the bytes they move "
-                  "are not.")
-CLIP_NOTE = (f"{CLIP_MARK} Measured with DeepSpeed's default gradient clipping to a norm of 1.0, which no other row "
-             "does: each step scaled every gradient by the clip factor (in stages 1 and 2 a pass over the "
-             "gradients DeepSpeed skips without clipping; the norm itself is computed either way), and the clipped "
-             "updates train another trajectory than the other rows'. `zerolab.bench.deepspeed_config`, which the GPU "
-             "scripts use too, now sets `\"gradient_clipping\": 0.0` (chapter 10's CPU bench runs with it); these rows "
-             "wait for a GPU to be measured again.")
 
 
 # Rows of the committed bench files whose memory was measured against a level that moved during their run
@@ -389,9 +349,8 @@ def _chapter10(results):
 
 
 TEXT = {2: _chapter2, 5: _chapter5, 8: _chapter8, 9: _chapter9, 10: _chapter10,
-        11: lambda results: later.chapter11(results or RESULTS, load("chapters.json", results), load("bench.json", results),
-                                            header),
-        12: lambda results: later.chapter12(load("chapters.json", results), header),
+        11: lambda results: later.chapter11(results or RESULTS, load("chapters.json", results), load("bench.json", results)),
+        12: lambda results: later.chapter12(load("chapters.json", results)),
         13: lambda results: later.chapter13(load("offload_cuda.json", results), results)}
 
 

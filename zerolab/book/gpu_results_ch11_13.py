@@ -1,4 +1,5 @@
-"""The GPU results of chapters 11, 12 and 13 (read by zerolab.book.gpu_results, which shows them).
+"""The GPU results of chapters 11, 12 and 13 (read by zerolab.book.gpu_results, which shows them;
+what both share is zerolab.book.gpu_results_common).
 
 Chapter 11: each side's fast path on one H200, twice in one start (h200_2026-11-26b): fused AdamW, torch.compile,
 DeepSpeed's FusedAdam. Chapter 12: the chapter executed on the GPU box (chapters.json). Chapter 13:
@@ -9,9 +10,14 @@ number is computed here from those files; nothing is measured.
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import statistics
 
 from ..theory.cost_model import H100_PEAK_FLOPS
+from .gpu_results_common import CLIP_MARK, CLIP_NOTE, PRECISION_NOTE, RESULTS, clipped, header, precision
+from .mfu import mfu
 
 # ------------------------------------------------------------------ chapter 11
 # Chapter 11 reads one machine start of one H200 (gpu/results/h200_2026-11-26b/README.md): every engine's fast
@@ -40,7 +46,6 @@ def h200_runs(folder: str) -> dict:
     """{(mode, repetition): {engine: row}} from the start's four logs, engines named without ' compiled';
     a row: step_ms, tokens_per_s, peak_gb, formula_gb, optimizer (as the log names it), first_s (the first
     step's seconds, compiling included)."""
-    import os
     out = {}
     for key, name in H200_LOGS.items():
         rows, first = {}, {}
@@ -91,18 +96,14 @@ def _pair(values, fmt="{:.1f}") -> str:
     return " / ".join(fmt.format(v) for v in values)
 
 
-def chapter11(results: str, chapters: dict, bench: dict, header) -> str:
-    import json
-    import os
-    from . import gpu_results as gr
-    from .mfu import mfu
+def chapter11(results: str, chapters: dict, bench: dict) -> str:
     folder = os.path.join(results, H200_RUN)
     with open(os.path.join(folder, H200_JSON)) as f:
         meta = json.load(f)
     runs = h200_runs(folder)
     cfg, psi = bench["runs"]["world1"]["config"], meta["rows"][0]["psi"]
     assert meta["model"] == bench["runs"]["world1"]["model"], "the bench's model"
-    mark = lambda e: gr.CLIP_MARK if gr.clipped(e, meta) else ""
+    mark = lambda e: CLIP_MARK if clipped(e, meta) else ""
     spread = max(abs(runs[k][e]["peak_gb"] - r["peak_gb"]) for e, r in runs["eager", 1].items() for k in runs
                  if e in runs[k])
     lines = [header(meta["machine"], "gpu/run_fastpath_twice.sh"), "",
@@ -124,10 +125,10 @@ def chapter11(results: str, chapters: dict, bench: dict, header) -> str:
         comp = [runs["compiled", k].get(engine) for k in REPS]
         compiled = ([_pair(x["step_ms"] for x in comp), mfus(comp), f"{comp[0]['first_s']:.1f}"] if all(comp)
                     else ["-", "-", "-"])
-        cells = [f"{engine}{mark(engine)}", gr.precision(engine), r["optimizer"].split(",")[0],
+        cells = [f"{engine}{mark(engine)}", precision(engine), r["optimizer"].split(",")[0],
                  _pair(x["step_ms"] for x in eager), compiled[0], mfus(eager), *compiled[1:], f"{r['peak_gb']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", gr.PRECISION_NOTE, "", gr.CLIP_NOTE, "",
+    lines += ["", PRECISION_NOTE, "", CLIP_NOTE, "",
               "Each ZeRO stage, eager beside eager and compiled beside compiled: zerolab's engine and its fastest peer "
               "that ran the same way, and zerolab's tokens per second over the peer's in each repetition. Two "
               "repetitions are all the start holds: a ratio on the same side of 1 in both is what this table can "
@@ -161,7 +162,7 @@ def chapter11(results: str, chapters: dict, bench: dict, header) -> str:
     return "\n".join(lines)
 
 
-def chapter12(chapters: dict, header) -> str:
+def chapter12(chapters: dict) -> str:
     ch = chapters["chapters"]["12_zeropp_and_hierarchy.ipynb"]
     # the run compared: the cell's step count then (the chapter's own run may train fewer steps now)
     steps = {n for c in ch["differing_cells"] for n in re.findall(r"of (\d+) steps", c["committed"])}
@@ -184,14 +185,8 @@ def chapter12(chapters: dict, header) -> str:
     return "\n".join(lines)
 
 
-# ------------------------------------------------------------------ chapter 13
+# ------------------------------------------------------------------ chapter 13 (it reads gpu/results/h200_* itself)
 
-import json        # noqa: E402  (chapter 13's own: it reads gpu/results/h200_* itself)
-import os          # noqa: E402
-import statistics  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "gpu",
-                       "results")
 H200_HOST_STEP = "h200_2026-11-26c"     # the host step with 16 threads for every row, and chapter 13 run there
 H200_OFFLOAD = "h200_2026-11-26"        # offload_cuda on the H200: the disk row ran there
 # the rows of the H200 table, in order: (label, row of host_step.json, zerolab's or DeepSpeed's)

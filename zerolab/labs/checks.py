@@ -23,10 +23,13 @@ from dataclasses import dataclass
 import torch
 
 from .lab import Wrong
+from .model import SCHEDULE
 
 GRAD_REL = 1e-4
 ADAM_ROUNDOFF_STEP = 3e-6       # the premise of tests/tolerances.py (the lab model is checked too)
 PARITY = "parity with one process on the global batch"     # (labs 3 to 6: the check's title)
+# collectives the library runs for its own bookkeeping, not to move gradients or parameters
+BOOKKEEPING = {"used", "check", "overflow", "grad_norm", "setup", "buffers", "state"}
 
 
 def weight_tol(steps: int) -> float:
@@ -243,6 +246,13 @@ def check_collectives(rank: int, step: int, seen: list, wanted: list, n: int, fo
                      f"({fmt_bytes(sum(x[2] for x in want))}): {formula}.", hint, step)
 
 
+def candidates(ref: dict, step: int) -> dict:
+    """What check_gradient compares a rank's gradient with at `step` (model.reference)."""
+    return {"expected": ref["expected"][step], "local": ref["local"][step],
+            "last_micro": ref["last_micro"][step] if SCHEDULE[step] > 1 else None,
+            "previous": ref["expected"][step - 1] if step > 0 else None}
+
+
 def check_parity(ranks: list, weight_pieces: str, what, sharded: bool,
                  no_grad_hint: str = "every gradient must be where the step reads it.", hints=None) -> None:
     """Step by step, every rank's gradients (data["pieces"], after backward) and then every rank's
@@ -250,7 +260,6 @@ def check_parity(ranks: list, weight_pieces: str, what, sharded: bool,
     what(piece) names the gradient held ("p.grad of out.bias", "the owned gradient"). A step may
     keep "full": per piece, the whole padded gradient buffer, where a result written into another
     rank's slice is looked for (ZeRO-1)."""
-    from .engine_run import candidates
     for step in range(len(ranks[0]["steps"])):
         for d in ranks:
             cand = candidates(d["ref"], step)

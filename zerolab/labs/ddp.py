@@ -19,6 +19,7 @@ compute when it was launched.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ..engines.ddp import DDP       # the library's engine: its seams are the reference
 from .checks import PARITY, Piece, check_parity, fmt_bytes, per_step, piece_of_bucket, ring_factor
@@ -157,7 +158,6 @@ def _probe_unreached(plugin) -> None:
     """One more backward, after the run, on LabNetWithSpare: bucket 0 holds parameters no backward
     reaches, so it never fills, and no bucket after it can start before backward ends. The
     reducer must reduce them all the same (the protocol check stops the run if not)."""
-    import torch.distributed as dist
     torch.manual_seed(0)
     engine = plugin["engine"](LabNetWithSpare(), OPTIMIZER, bucket_mb=BUCKET_MB)
     instrument(engine, GradedCode(LAB, plugin))

@@ -16,13 +16,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .checks import PARITY
+from .checks import BOOKKEEPING, PARITY
 from .lab import Stop
-from .model import SCHEDULE, reference, train
+from .model import reference, train
 from .overlap import ComputeClock, GradedLedger
-
-# collectives the library runs for its own bookkeeping, not to move gradients or parameters
-BOOKKEEPING = {"used", "check", "overflow", "grad_norm", "setup", "buffers", "state"}
 
 
 def instrument(engine, graded_code, replace_comm: bool = True) -> GradedLedger:
@@ -124,13 +121,6 @@ def moved(step_data) -> list:
     """[(op, numel, bytes, tag)] of a step's collectives that move gradients or parameters."""
     return [(op, numel, sent, tag) for op, tag, numel, sent, _, _ in step_data["records"]
             if op in ("all_reduce", "reduce_scatter", "all_gather") and tag not in BOOKKEEPING]
-
-
-def candidates(ref: dict, step: int) -> dict:
-    """What check_gradient compares a rank's gradient with at `step` (model.reference)."""
-    return {"expected": ref["expected"][step], "local": ref["local"][step],
-            "last_micro": ref["last_micro"][step] if SCHEDULE[step] > 1 else None,
-            "previous": ref["expected"][step - 1] if step > 0 else None}
 
 
 class StubCalled(NotImplementedError):

@@ -21,6 +21,7 @@ import contextlib
 from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -118,7 +119,6 @@ def train(engine, after_backward=None, after_step=None, backward=None, clock=Non
     micro-batch inside no_sync(). after_backward(step) runs after each step's last backward,
     after_step(step) after its optimizer step. backward(loss) replaces loss.backward(). clock (a
     zerolab.labs.overlap.ComputeClock) is told when a forward runs."""
-    import torch.distributed as dist
     rank, n = dist.get_rank(), dist.get_world_size()
     for step, micros in enumerate(SCHEDULE):
         for m in range(micros):

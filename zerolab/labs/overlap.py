@@ -28,7 +28,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from .checks import per_step
+from .checks import BOOKKEEPING, per_step
 from .lab import Stop, Wrong
 
 
@@ -262,7 +262,6 @@ def defined_at(method) -> str:
 def gradient_entries(s, op: str) -> list:
     """A step's collectives of `op` that move gradients, in launch order: bucket 0 first (the
     protocol check holds the reducer to index order, and one backward per step reduces)."""
-    from .engine_run import BOOKKEEPING
     return [e for e in s["entries"] if e[0] == op and e[1] not in BOOKKEEPING]
 
 

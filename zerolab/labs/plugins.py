@@ -4,6 +4,7 @@ planted mistake. A plugin is a dict role -> class or function (zerolab.labs.lab.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import sys
 
@@ -105,7 +106,6 @@ class GradedCode:
 def class_line(plugin: dict, role_class: str) -> str:
     """'MyDDP (lab3_ddp.py, line 16)': the graded class that subclasses the blank named
     role_class, where it is written ('' if none)."""
-    import inspect
     for obj in plugin.values():
         if isinstance(obj, type) and any(c.__name__ == role_class for c in obj.__mro__[1:]):
             try:

@@ -4,7 +4,10 @@ Each must fail the grader with the failure named in `expect`."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from ..theory.collectives import (all_gather_chunks, exchange, reduce_scatter_chunks, ring_all_reduce,
+                                  ring_position)
 from .lab import Mistake
 
 
@@ -31,8 +34,7 @@ def receives_into_a_new_tensor(ledger, send, recv, r, n):
 
 
 def _exchange(ledger, send, recv, r, n):
-    from ..theory.collectives import exchange as library
-    library(ledger, send, recv, r, n, "ring")
+    exchange(ledger, send, recv, r, n, "ring")
 
 
 def copies_instead_of_adding(chunks, ledger, r, n):
@@ -80,7 +82,6 @@ def all_gather_one_step_short(chunks, ledger, r, n):
 
 
 def splits_by_numel_over_n(tensor, ledger):
-    from ..theory.collectives import all_gather_chunks, reduce_scatter_chunks, ring_position
     ledger, r, n = ring_position(ledger)
     chunks = list(tensor.view(-1).split(tensor.numel() // n))   # (N + 1 chunks when N does not divide it)
     reduce_scatter_chunks(chunks, ledger, r, n, "ring")
@@ -88,20 +89,16 @@ def splits_by_numel_over_n(tensor, ledger):
 
 
 def averages(tensor, ledger):
-    import torch.distributed as dist
-    from ..theory.collectives import ring_all_reduce
     ring_all_reduce(tensor, ledger)
     tensor.div_(dist.get_world_size())      # (the mean, where the sum was asked for)
 
 
 def forgets_the_all_gather(tensor, ledger):
-    from ..theory.collectives import reduce_scatter_chunks, ring_position
     ledger, r, n = ring_position(ledger)
     reduce_scatter_chunks(list(torch.tensor_split(tensor.view(-1), n)), ledger, r, n, "ring")
 
 
 def sends_everything_to_everyone(tensor, ledger):
-    import torch.distributed as dist
     r, n = dist.get_rank(), dist.get_world_size()
     incoming = [torch.empty_like(tensor) for _ in range(n)]
     handles = [ledger.isend(tensor.clone(), q, tag="ring") for q in range(n) if q != r]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from ..launch import launch
 from ..launch import LaunchError
 from .lab import Wrong
+from .overlap import defined_at
 from .plugins import FileProblem, for_spec
 from .worker import load_lab, run_cases
 
@@ -160,7 +161,6 @@ def written_in(lab, plugin: dict, verdict) -> str:
     """'your _reduce (lab3_ddp.py, line 40)' for each seam a failure of this kind comes from
     (Lab.blame, or the Wrong's own), that the graded code writes itself (not the library's own
     method, which a planted mistake keeps) and that the message does not name already."""
-    from .overlap import defined_at
     found = []
     for seam in verdict.blame or lab.blame.get(verdict.key, ()):
         fn, library = _seam(lab, plugin, seam)

@@ -19,7 +19,8 @@ compares, parameter by parameter, with a plain AdamW in one process on the globa
 against the closed form of the layout the moment they are cut and placed, each view's gradient at
 every step, the step counts, moments and weights after every step, optimizer.state_dict() after
 steps 0 and 3, and a plain PyTorch checkpoint (after step 1) loaded into a new engine and continued.
-The checks themselves are in zerolab.labs.views_checks.
+The checks themselves are in zerolab.labs.views_checks (during the run, on every rank) and
+zerolab.labs.views_parity (in the parent); the run's constants in zerolab.labs.views_spec.
 """
 
 from __future__ import annotations
@@ -33,22 +34,15 @@ import torch.distributed as dist
 
 from ..optim.param_views import ParamViews, gather_bytes
 from ..engines.zero1 import ZeRO1
+from . import views_parity
 from .checks import Piece
 from .engine_run import stub
 from .lab import Check, Lab, Stop
-from .model import LabNetWithBranch, loss_of, micro_batch
+from .model import LabNetWithBranch, global_micro_batch, loss_of, micro_batch
 from .overlap import defined_at
-
-SEAMS = ("_cut", "place", "point_grads", "pieces", "assemble", "shard")
-VIEWS = "the views: one per parameter, this rank's part of it, in the script's groups"
-GRADS = "gradients: each view's .grad is its range of the flat gradient, None where skipped"
-SECTION = 'chapter 6, "What the optimizer is handed, and what its state dict holds"'
-
-BUCKET_MB = 0.0008              # three buckets of LabNetWithBranch: whole, cut and empty views on both ranks
-BRANCH = (False, True, False, True)     # does step s's forward take the side block?
-CHECKPOINT_AFTER = 1            # a plain run's checkpoint after this step is loaded and continued
-STATE_DICTS_AT = (0, 3)         # optimizer.state_dict() is compared after these steps
-LR, EPS, DECAY = 1e-3, 1e-6, 0.1
+from .views_checks import check_cut, check_grads, check_placed, loaded_problem
+from .views_spec import (BRANCH, BUCKET_MB, CHECKPOINT_AFTER, DECAY, EPS, GRADS, LR, SEAMS, SECTION,
+                         STATE_DICTS_AT, VIEWS)
 
 
 def pack(obj) -> bytes:
@@ -161,7 +155,6 @@ class ViewsEngine(ZeRO1):
     script_groups: list = []        # the names in each of the script's groups, in order
 
     def _place_groups(self):
-        from .views_checks import check_cut, check_placed
         names = {id(p): n for n, p in self.model.named_parameters()}
         self.views = self.views_class(self.flat_masters, self.buckets.buckets, self.shards, names)
         self.expected = layout(self.buckets.buckets, self.rank, self.world_size, names)
@@ -179,7 +172,6 @@ def _view_of(engine, p):
 
 
 def measure(plugin) -> dict:
-    from .views_checks import check_grads, loaded_problem
     rank, n = dist.get_rank(), dist.get_world_size()
     ref = reference(n)
     engine = _engine(plugin, build_model())
@@ -198,7 +190,7 @@ def measure(plugin) -> dict:
         engine.optimizer.zero_grad()
     data = {"rank": rank, "n": n, "ref": ref, "steps": steps, "layout": engine.expected,
             "buckets": _pieces(engine), "at": {m: _written_at(plugin["views"], m) for m in SEAMS}}
-    data["resumed"] = _resume(plugin, ref, rank, n, loaded_problem)
+    data["resumed"] = _resume(plugin, ref, rank, n)
     return data
 
 
@@ -220,7 +212,7 @@ def _train_step(engine, step, rank, n) -> None:
     engine.optimizer.step()
 
 
-def _resume(plugin, ref, rank, n, loaded_problem) -> dict:
+def _resume(plugin, ref, rank, n) -> dict:
     """A new engine at the weights one process had after CHECKPOINT_AFTER loads that process's
     optimizer.state_dict() (a plain PyTorch checkpoint imported) and trains the steps after it.
     If some rank's loaded state is wrong the steps are not run (they could crash in AdamW)."""
@@ -277,7 +269,6 @@ def reference(n: int) -> dict:
     weights[s]   the model's state_dict after step s; before[s] the one before it
     state_dicts  step -> optimizer.state_dict() after it (STATE_DICTS_AT and CHECKPOINT_AFTER)
     """
-    from .model import global_micro_batch
     model = build_model()
     opt = optimizer_of(model)
     params = dict(model.named_parameters())
@@ -299,7 +290,6 @@ def reference(n: int) -> dict:
 
 
 def _lab():
-    from . import views_checks as vc
     return Lab(
         name="views", number=7, title="the optimizer handed per-parameter views", chapter="chapter 6, ZeRO-1",
         stub_file="lab7_views.py", world_size=2,
@@ -309,9 +299,10 @@ def _lab():
                 Check(GRADS, None, SECTION, "at every step each view's .grad was its range of the flat gradient, "
                       "in the view's shape and memory; None for an empty view and for the side block when skipped"),
                 Check("parity with one process: step counts, moments and weights, parameter by parameter",
-                      vc.parity, SECTION),
-                Check("optimizer.state_dict(): the whole model's, a plain AdamW's", vc.state_dict, SECTION),
-                Check("a plain PyTorch checkpoint loaded, and the run continued exactly", vc.checkpoint, SECTION)),
+                      views_parity.parity, SECTION),
+                Check("optimizer.state_dict(): the whole model's, a plain AdamW's", views_parity.state_dict, SECTION),
+                Check("a plain PyTorch checkpoint loaded, and the run continued exactly", views_parity.checkpoint,
+                      SECTION)),
         mistakes_module="zerolab.labs.views_mistakes",
     )
 

@@ -1,27 +1,21 @@
-"""Lab 7's checks (zerolab.labs.views): the views against the closed form of the layout, each
-view's gradient, the optimizer's state parameter by parameter, optimizer.state_dict() against a
-plain AdamW's, and a plain checkpoint loaded and continued.
+"""Lab 7's checks during the run, on every rank (zerolab.labs.views): the views against the closed
+form of the layout, each view's gradient, and the state a plain checkpoint loads into.
 
-The first two run on every rank during the run (a wrong view or gradient would make what follows
-depend on it, or crash inside AdamW) and return the problem they find as (check, key, what, hint),
-for zerolab.labs.views.agree to stop every rank with; loaded_problem too, for the checkpoint. The
-others read every rank's measurements in the parent. Tolerances: moments and weights follow
-zerolab.labs.checks (round-off of other summation orders); a state loaded from a checkpoint is
-compared exactly (it is the checkpoint's own numbers, cut).
+A wrong view or gradient would make what follows depend on it, or crash inside AdamW, so these
+run as the engine cuts and places its views, as each step begins, and after a checkpoint is
+loaded. Each returns the problem it finds as (check, key, what, hint), for
+zerolab.labs.views.agree to stop every rank with (loaded_problem: (key, what, hint)), or None.
+The checks in the parent, over every rank's measurements, are zerolab.labs.views_parity. A state
+loaded from a checkpoint is compared exactly (it is the checkpoint's own numbers, cut).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .checks import GRAD_REL, check_weights, digits, expected_seen
-from .lab import Wrong
+from .checks import digits
 from .overlap import defined_at
-from .views import BRANCH, CHECKPOINT_AFTER, GRADS, STATE_DICTS_AT, VIEWS
-
-
-def _range(lo, hi) -> str:
-    return f"[{lo}, {hi})"
+from .views_spec import CHECKPOINT_AFTER, GRADS, VIEWS, dtype_name, span
 
 
 def _holds(entry, k) -> str:
@@ -29,10 +23,7 @@ def _holds(entry, k) -> str:
     _, lo, hi, plo, phi, _ = entry
     if lo == hi:
         return "none of it"
-    return "all of it" if phi - plo == k else f"its elements {_range(plo, phi)} ({phi - plo} of {k})"
-
-
-# ------------------------------------------------------------------ during the run, on every rank
+    return "all of it" if phi - plo == k else f"its elements {span(plo, phi)} ({phi - plo} of {k})"
 
 
 def check_cut(engine, names):
@@ -46,8 +37,8 @@ def check_cut(engine, names):
             name = names[id(p)]
             e = engine.expected[name]
             _, lo, hi, plo, phi, shape = e
-            where = (f"{name} lies at {_range(o, o + k)} of bucket {b}, and rank {r}'s slice of the bucket is "
-                     f"{_range(s.start, s.stop)}: rank {r} holds {_holds(e, k)}")
+            where = (f"{name} lies at {span(o, o + k)} of bucket {b}, and rank {r}'s slice of the bucket is "
+                     f"{span(s.start, s.stop)}: rank {r} holds {_holds(e, k)}")
             v = views.view_of.get(id(p))
             if not torch.is_tensor(v):
                 return (VIEWS, "no_view", f"after your _cut{at}, self.view_of has no tensor for {name} on rank {r} "
@@ -61,7 +52,7 @@ def check_cut(engine, names):
                 continue
             if v.dtype != master.dtype:
                 return (VIEWS, "view_dtype", f"rank {r}'s view of {name}, as your _cut{at} made it, is "
-                        f"{_dtype(v)}; master {b} is {_dtype(master)}. A view in another dtype is a converted "
+                        f"{dtype_name(v)}; master {b} is {dtype_name(master)}. A view in another dtype is a converted "
                         "copy: the optimizer would update the copy, and the model's weights would never change.",
                         "slice the master as it is (no .half(), .double() or .to()): a view keeps its master's dtype "
                         "and memory.")
@@ -74,7 +65,7 @@ def check_cut(engine, names):
             start = v.storage_offset() - master.storage_offset() + s.start - o   # in the parameter
             if (start, start + v.numel()) != (plo, phi):
                 return _range_problem(engine, names, at, f"rank {r}'s view of {name}, as your _cut{at} cut it, "
-                                      f"covers elements {_range(start, start + v.numel())} of the flattened "
+                                      f"covers elements {span(start, start + v.numel())} of the flattened "
                                       f"parameter; {where}.")
             if tuple(v.shape) != shape:
                 why = (f"all of {name} lies in rank {r}'s slice, so its view keeps the parameter's own shape, "
@@ -87,10 +78,6 @@ def check_cut(engine, names):
                         f"{tuple(v.shape)}; {why}.", "view the piece in the parameter's shape when it is all of "
                         "the parameter, and leave it flat when it is part of it.")
     return None
-
-
-def _dtype(t) -> str:
-    return str(t.dtype).replace("torch.", "")
 
 
 def _seen_ranges(engine, names) -> dict | None:
@@ -153,7 +140,7 @@ def _range_problem(engine, names, at, what):
         return (VIEWS, "view_unpadded", f"{what} Bucket {b} holds {bucket.numel} real elements, padded to "
                 f"{bucket.padded_numel} ({bucket.padded_numel - bucket.numel} of padding) so that N = {n} divides "
                 f"it: each rank's slice is padded_numel / N = {bucket.padded_numel // n} elements, rank {r}'s "
-                f"{_range(s.start, s.stop)}. Every view on rank {r} is what a slice of the real size, numel // N = "
+                f"{span(s.start, s.stop)}. Every view on rank {r} is what a slice of the real size, numel // N = "
                 f"{bucket.numel // n} elements, would give: the slice was computed without the padding.",
                 "cut with the slice you are given, s: its start and stop count the padding (the padded buffer "
                 "split N ways, as the reduce-scatter splits it); a slice worked out from the real size moves "
@@ -248,12 +235,12 @@ def check_grads(engine, params, ref, step):
                             "backward (clipping scales it in place) never reaches the copy the optimizer reads.",
                             "index the master's .grad and .view() it in the view's shape: no copy.")
                 return (GRADS, "grad_values", f"{head} has a .grad (from your point_grads{at}) that is not its range "
-                        f"of master {b}'s gradient, {_range(lo, hi)}, nor any view of it.",
+                        f"of master {b}'s gradient, {span(lo, hi)}, nor any view of it.",
                         "the view's .grad is the same range of the master's .grad as the view is of the master.")
             off = g.storage_offset() - flat.storage_offset()
             if (off, off + g.numel()) != (lo, hi):
-                return (GRADS, "grad_range", f"{head} covers elements {_range(lo, hi)} of master {b}, but the .grad "
-                        f"your point_grads{at} gave it is elements {_range(off, off + g.numel())} of the master's "
+                return (GRADS, "grad_range", f"{head} covers elements {span(lo, hi)} of master {b}, but the .grad "
+                        f"your point_grads{at} gave it is elements {span(off, off + g.numel())} of the master's "
                         "gradient: the optimizer would update each weight with another element's gradient.",
                         "the same range of the master's .grad as the view covers of the master.")
             if tuple(g.shape) != tuple(v.shape):
@@ -306,186 +293,16 @@ def loaded_problem(loaded, expected, ref, rank):
                         j = int((mine != flat[plo:phi]).nonzero()[0])
                         got, was = digits(float(mine[j]), float(flat[plo + j]))
                         return ("loaded_rounded", f"{head}: {key} of {name} holds the checkpoint's elements "
-                                f"{_range(plo, phi)}, the ones its view on rank {rank} covers, rounded to "
+                                f"{span(plo, phi)}, the ones its view on rank {rank} covers, rounded to "
                                 f"{str(low).replace('torch.', '')}: element {plo + j} is {got} where the "
                                 f"checkpoint's is {was}. Torch loads a state tensor in its parameter's dtype, "
                                 f"{str(v.dtype).replace('torch.', '')}, but the bits the cast dropped do not come "
                                 "back.", "cut the tensors as they are (slicing and reshape keep the dtype): no "
                                 ".half(), .to() or torch.tensor(..., dtype=...) on the way.")
                 found = next((j for j in range(flat.numel() - n + 1) if torch.equal(s.reshape(-1), flat[j:j + n])), None)
-                seen_at = (f"elements {_range(found, found + n)} of the checkpoint's" if found is not None
+                seen_at = (f"elements {span(found, found + n)} of the checkpoint's" if found is not None
                            else "numbers that are no range of the checkpoint's")
                 return ("loaded_values", f"{head}: {key} of {name} holds {seen_at} {key}; its view on rank {rank} "
-                        f"covers elements {_range(plo, phi)} of the parameter.",
+                        f"covers elements {span(plo, phi)} of the parameter.",
                         "cut the range the view covers in the flattened parameter, not from its start.")
     return None
-
-
-# ------------------------------------------------------------------ in the parent, from every rank's data
-
-
-def parity(ranks) -> str:
-    for step in range(len(BRANCH)):
-        for d in ranks:
-            ref, at = d["ref"], d["at"]
-            for name in ref["names"]:
-                _, lo, hi, plo, phi, shape = d["layout"][name]
-                seen, want = d["steps"][step]["state"][name], ref["state"][step][name]
-                if lo == hi or not want:
-                    if seen:
-                        raise Wrong("state_not_held", f"after step {step}, rank {d['rank']}'s optimizer holds state for "
-                                    f"{name}, which " + ("has no element on this rank" if lo == hi else
-                                    "one process's AdamW has never stepped") + ".", "", step)
-                    continue
-                if not seen:
-                    raise Wrong("no_state", f"after step {step}, rank {d['rank']}'s optimizer holds no state for {name} "
-                                f"({phi - plo} of its elements are here); one process's AdamW has stepped it.",
-                                f"check what your point_grads{at['point_grads']} gives its view.", step)
-                if float(seen["step"]) != float(want["step"]):
-                    raise Wrong("step_count", f"after step {step}, rank {d['rank']}: the step count of {name} is "
-                                f"{float(seen['step']):g}; one process's AdamW has {float(want['step']):g}.",
-                                "a parameter without a gradient is skipped, step count included.", step)
-                for key in ("exp_avg", "exp_avg_sq"):
-                    w, s = want[key].reshape(-1)[plo:phi], seen[key].reshape(-1).float()
-                    tol = GRAD_REL * float(w.abs().max()) + 1e-12
-                    if s.shape != w.shape:
-                        raise Wrong("moments", f"after step {step}, rank {d['rank']}: {key} of {name} holds "
-                                    f"{s.numel()} elements; its view covers {_range(plo, phi)} of the parameter, "
-                                    f"{phi - plo} elements.", "", step)
-                    bad = ((s - w).abs() > tol).nonzero()
-                    if bad.numel():
-                        i = int(bad[0])
-                        raise Wrong("moments", f"after step {step}, rank {d['rank']}: {key} of {name}, element "
-                                    f"{plo + i} of the parameter, is not one process's: "
-                                    f"{expected_seen(w, s, i)}.", "", step)
-            for piece, w in zip(d["buckets"], d["steps"][step]["weights"]):
-                size = piece.padded // d["n"]
-                check_weights(w, piece, ref["weights"][step], ref["before"][step], d["rank"], step,
-                              owners=lambda i, size=size: i // size)
-    return (f"after every step, every rank's optimizer holds one process's step count and moments for each "
-            f"element it updates (the side block's counts {int(ranks[0]['ref']['state'][-1]['side.weight']['step'])}, "
-            f"the others' {len(BRANCH)}), and the weights are one process's")
-
-
-def _wrong_state(d, step, key, what, hint):
-    at = d["at"]
-    return Wrong(key, f"rank {d['rank']}'s optimizer.state_dict() after step {step}: {what}",
-                 f"in your pieces{at['pieces']} and assemble{at['assemble']}: {hint}.", step)
-
-
-def _wrong_dtype(d, step, k, name, key, s, v):
-    """Raise the Wrong for a state tensor of optimizer.state_dict() in another dtype than AdamW's."""
-    low = s.dtype in (torch.float16, torch.bfloat16)
-    lost = ""
-    if low and s.numel() == v.numel():
-        diff = (s.reshape(-1).to(v.dtype) != v.reshape(-1)).nonzero()
-        if diff.numel():
-            i = int(diff[0])
-            was, got = digits(float(v.reshape(-1)[i]), float(s.reshape(-1)[i]))
-            lost = f" Element {i} is {got} where a plain AdamW's is {was}."
-    why = (f"rounded to {_dtype(s)}'s {8 if s.dtype == torch.bfloat16 else 11} significant bits (float32 has 24), "
-           f"and a checkpoint saved from it keeps the rounding for good.{lost}" if low else
-           f"{s.element_size()} bytes an element where AdamW keeps {v.element_size()}: the checkpoint grows, for "
-           "digits the optimizer never had.")
-    raise _wrong_state(d, step, "state_rounded" if low else "state_widened",
-                       f"{key} of {name} (position {k}) is {_dtype(s)}, shape {tuple(s.shape)}; a plain AdamW's is "
-                       f"{_dtype(v)}, the dtype of the parameter and of the pieces every rank sends: {why}",
-                       "make each whole tensor in the dtype of the pieces it is made of (torch.zeros(..., "
-                       "dtype=piece.dtype)), and cast nothing")
-
-
-def state_dict(ranks) -> str:
-    for step in STATE_DICTS_AT:
-        for d in ranks:
-            _compare_state_dict(d, step, d["steps"][step]["state_dict"], d["ref"]["state_dicts"][step])
-    return (f"after steps {' and '.join(map(str, STATE_DICTS_AT))}, every rank's optimizer.state_dict() is a plain "
-            "AdamW's: the same groups, an entry for each parameter stepped, each state whole and in its "
-            "parameter's shape, the step counts of each parameter")
-
-
-def _compare_state_dict(d, step, seen, want) -> None:
-    names, layout = d["ref"]["names"], d["layout"]
-    if seen["param_groups"] != want["param_groups"]:
-        raise _wrong_state(d, step, "state_groups", f"its param_groups are {seen['param_groups']!r}; a plain AdamW's "
-                           f"are {want['param_groups']!r}.", "the groups are torch's own: do not change them")
-    for k, st in want["state"].items():
-        name, got = names[k], seen["state"].get(k, {})
-        piece = layout[name][4] - layout[name][3]
-        for key, v in st.items():
-            s = got.get(key)
-            if torch.is_tensor(v) and v.dim() > 0 and torch.is_tensor(s) and s.dtype != v.dtype:
-                _wrong_dtype(d, step, k, name, key, s, v)
-            if torch.is_tensor(v) and v.dim() > 0 and torch.is_tensor(s) and tuple(s.shape) != tuple(v.shape):
-                if s.numel() == piece != v.numel():
-                    raise _wrong_state(d, step, "state_slice", f"{key} of {name} (position {k}) has shape "
-                                       f"{tuple(s.shape)}: the piece of it rank {d['rank']} holds, presented as the "
-                                       f"whole. A plain AdamW's state dict holds it whole, {tuple(v.shape)}.",
-                                       "put each parameter's pieces, from every rank, together")
-                raise _wrong_state(d, step, "state_shape", f"{key} of {name} (position {k}) has shape {tuple(s.shape)}; "
-                                   f"a plain AdamW's is the parameter's, {tuple(v.shape)}.",
-                                   "give each whole tensor its parameter's shape")
-    missing = [k for k in want["state"] if k not in seen["state"]]
-    extra = [k for k in seen["state"] if k not in want["state"]]
-    if missing:
-        raise _wrong_state(d, step, "state_missing", f"there is no entry for position {missing[0]} "
-                           f"({names[missing[0]]}); a plain AdamW has one for every parameter it has stepped.",
-                           "an entry for every parameter some rank has stepped, whichever ranks hold it")
-    if extra:
-        raise _wrong_state(d, step, "state_extra", f"there is an entry for position {extra[0]} ({names[extra[0]]}), "
-                           "which no rank has stepped yet (the side block was not taken): a plain AdamW holds none.",
-                           "no entry for a parameter no rank has state for")
-    for k, st in want["state"].items():
-        name, got = names[k], seen["state"][k]
-        for key, v in st.items():
-            s = got.get(key)
-            if not (torch.is_tensor(v) and v.dim() > 0):
-                if s is None:
-                    raise _wrong_state(d, step, "state_scalar", f"{name} (position {k}) has no {key!r}; a plain "
-                                       f"AdamW's is {float(v):g}.", "every piece of a parameter carries its scalars: "
-                                       "take them from a piece some rank sent")
-                if float(s) != float(v):
-                    raise _wrong_state(d, step, "state_scalar", f"{key} of {name} (position {k}) is {float(s):g}; a "
-                                       f"plain AdamW's is {float(v):g}.", "the scalars of a parameter are the same in "
-                                       "each of its pieces: take one, as it is")
-                continue
-            if s is None:
-                raise _wrong_state(d, step, "state_keys", f"{name} (position {k}) has no {key!r}.",
-                                   "keep every entry of the optimizer's state")
-            tol = GRAD_REL * float(v.abs().max()) + 1e-12
-            bad = ((s.float() - v).abs() > tol).reshape(-1).nonzero()
-            if bad.numel():
-                i = int(bad[0])
-                seen_at = [j for j in range(v.numel()) if float(v.reshape(-1)[j]) == float(s.reshape(-1)[i])]
-                mine = layout[name][3:5]
-                note = (f"; that value is the plain AdamW's element {seen_at[0]}, so a piece was put where another "
-                        "lies" if seen_at and seen_at[0] != i else "")
-                raise _wrong_state(d, step, "state_values", f"{key} of {name} (position {k}), element {i} of the "
-                                   f"flattened parameter, is not a plain AdamW's: "
-                                   f"{expected_seen(v.reshape(-1), s.reshape(-1).float(), i)}{note}. (Rank "
-                                   f"{d['rank']}'s view covers its elements {_range(*mine)}.)",
-                                   "each piece goes where it lies in the flattened parameter: the elements a view "
-                                   "covers, [first, end) of the parameter, go to [first, end) of the whole tensor")
-
-
-def checkpoint(ranks) -> str:
-    for d in ranks:
-        problem = d["resumed"]["problem"]
-        if problem is not None:
-            key, what, hint = problem
-            raise Wrong(key, what, f"in your shard{d['at']['shard']}: {hint}", CHECKPOINT_AFTER + 1)
-    for d in ranks:
-        ref = d["ref"]
-        for step, weights in d["resumed"]["weights"].items():
-            for piece, w in zip(d["buckets"], weights):
-                size = piece.padded // d["n"]
-                try:
-                    check_weights(w, piece, ref["weights"][step], ref["before"][step], d["rank"], step,
-                                  owners=lambda i, size=size: i // size)
-                except Wrong as exc:
-                    raise Wrong("resumed_weights", f"resumed from a plain AdamW's checkpoint after step "
-                                f"{CHECKPOINT_AFTER}: {exc.what}", f"the state was loaded as it should: compare "
-                                f"what your shard{d['at']['shard']} keeps of each entry with the checkpoint's.",
-                                step) from None
-    return (f"a plain AdamW's state dict after step {CHECKPOINT_AFTER} loaded into a new engine gives each rank "
-            f"the pieces its views cover, and steps {', '.join(str(s) for s in range(CHECKPOINT_AFTER + 1, len(BRANCH)))} "
-            "from there end where one process does")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from .lab import Mistake
 from .views import ReferenceViews, unpack
@@ -36,7 +37,6 @@ class CutOffByOne(ReferenceViews):
 
 class CutWithoutPadding(ReferenceViews):
     def _cut(self, i, flat, bucket, s):
-        import torch.distributed as dist
         n, r = dist.get_world_size(), dist.get_rank()
         size = bucket.numel // n                # (the real size: the bucket's padding left out)
         start, stop = r * size, (r + 1) * size

@@ -19,6 +19,8 @@ as in lab 3.
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
 from ..engines.zero2 import ZeRO2     # the library's engine: its seams are the reference
 from .checks import PARITY, check_collectives, check_parity, fmt_bytes, per_step, piece_of_bucket
 from .engine_run import WrongDtypeStops, instrument, moved, record_run, stub
@@ -132,7 +134,6 @@ def measure(plugin) -> dict:
 
 def _bf16_accumulation(plugin) -> list:
     """bf16, one step of two micro-batches: the dtype of each owned gradient slice afterwards."""
-    import torch.distributed as dist
     engine = plugin["engine"](build(), OPTIMIZER, bucket_mb=BUCKET_MB, precision="bf16")
     for m in range(2):
         engine.backward(loss_of(engine, micro_batch(1, m, dist.get_rank(), dist.get_world_size()), 2))
