@@ -1,7 +1,7 @@
 """Lab 1: the ring collectives, built from sends and receives (chapter 4).
 
 Write the four functions below. The grader runs them on 3 ranks, on small tensors of whole
-numbers (exact sums in any order), and gives each a RingLedger: a zerolab.comm.Ledger whose
+numbers (exact sums in any order), and gives each a RingLedger: a zerolab.runtime.comm.Ledger whose
 isend(tensor, dst) and irecv(tensor, src) start a message and return a handle with .wait(), and
 which counts the bytes and notes where every message goes. Stuck? The lab's notebook has hints,
 folded: open one at a time.

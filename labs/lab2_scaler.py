@@ -44,6 +44,6 @@ class MyPrecision(PrecisionLab):
         gradients are finite, False if any rank's hold an inf or a nan: the same answer on every
         rank, so that they all step, or all skip, together, although each rank sees only its own.
 
-        May use: self.scaler.scale, torch.isfinite, self.ledger (a zerolab.comm.Ledger:
+        May use: self.scaler.scale, torch.isfinite, self.ledger (a zerolab.runtime.comm.Ledger:
         all_reduce(tensor, op="sum" | "max" | ..., group=self.group))."""
         raise NotImplementedError("unscale_and_check")

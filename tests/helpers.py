@@ -13,9 +13,9 @@ import torch.nn as nn
 
 import zerolab as zl
 from zerolab.data import CharDataset, SyntheticRegression
-from zerolab.mesh import Mesh
+from zerolab.zero_r.mesh import Mesh
 from zerolab.models import GPT, AwkwardModel, gpt_config, gpt_loss, regression_loss
-from zerolab.tensor_parallel import TensorParallelGPT
+from zerolab.zero_r.tensor_parallel import TensorParallelGPT
 
 # the parity tests' AdamW: lr and eps as tests/tolerances.py derives its bounds for
 PARITY_ADAMW = partial(torch.optim.AdamW, lr=1e-3, eps=1e-6, weight_decay=0.1)

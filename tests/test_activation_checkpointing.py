@@ -6,11 +6,12 @@ import torch
 import zerolab as zl
 
 from helpers import B, tp_train
-from zerolab import activation_checkpointing as checkpointing, memory
+from zerolab import memory
+from zerolab.zero_r import activation_checkpointing as checkpointing
 from zerolab.data import CharDataset
-from zerolab.mesh import Mesh
+from zerolab.zero_r.mesh import Mesh
 from zerolab.models import GPT, gpt_config, gpt_loss
-from zerolab.tensor_parallel import TensorParallelGPT
+from zerolab.zero_r.tensor_parallel import TensorParallelGPT
 
 pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
 
@@ -148,6 +149,6 @@ def test_the_old_module_name_still_imports_and_names_the_new_one():
     import importlib
     import sys
     sys.modules.pop("zerolab.checkpointing", None)
-    with pytest.warns(DeprecationWarning, match="zerolab.activation_checkpointing"):
+    with pytest.warns(DeprecationWarning, match="zerolab.zero_r.activation_checkpointing"):
         old = importlib.import_module("zerolab.checkpointing")
     assert old.enable is checkpointing.enable

@@ -23,7 +23,7 @@ import zerolab as zl
 from zerolab.bitwise import (BitwiseDataParallel, ChunkPlan, TreeAccumulator, differing_bits,
                              fixed_order_sum_of_squares, tree_all_reduce, tree_reduce_scatter, tree_sum)
 from zerolab.bitwise.norm import block_sums_of_squares, halving_sum
-from zerolab.comm import Ledger
+from zerolab.runtime.comm import Ledger
 from zerolab.models import TinyMLP, regression_loss
 
 CHUNKS = 16

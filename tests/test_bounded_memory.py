@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
-from zerolab.comm import KEEP_RECORDS, Ledger
+from zerolab.runtime.comm import KEEP_RECORDS, Ledger
 from zerolab.engines.zero3 import schedule
 
 SGD = functools.partial(torch.optim.SGD, lr=0.01)
@@ -151,7 +151,7 @@ def test_the_ledger_keeps_a_window_of_records_and_exact_totals():
 def test_totals_give_the_same_bytes_as_summing_every_record():
     """bytes() and summary() from the running totals equal the sums over every record, counted
     here as they are made, for ops, exact tags, tag prefixes and link classes."""
-    from zerolab.comm import CommRecord
+    from zerolab.runtime.comm import CommRecord
     led = Ledger()
     led.topology = object()                      # (only tested for being set: bytes by link class)
     made = []

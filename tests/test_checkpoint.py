@@ -261,8 +261,8 @@ def test_a_second_save_replaces_the_first_and_leaves_one_set_of_shards(saved_sin
 
 
 def checkpoint_on_a_tensor_parallel_mesh(path):
-    from zerolab.mesh import Mesh
-    from zerolab.tensor_parallel import TensorParallelGPT
+    from zerolab.zero_r.mesh import Mesh
+    from zerolab.zero_r.tensor_parallel import TensorParallelGPT
     mesh = Mesh(dp=1, mp=2)
     torch.manual_seed(0)
     model = TensorParallelGPT.from_dense(models.GPT(models.gpt_config("nano", n_head=4)), mesh)

@@ -198,7 +198,7 @@ def probe_then_lose_rank_1(path):
     """python -m zerolab train's check of the save directory (every rank writes a probe file
     there and looks for the others'), with rank 1 killed before it writes its own."""
     from zerolab import train_checks
-    from zerolab.comm import Ledger
+    from zerolab.runtime.comm import Ledger
     if zl.rank() == 1:
         train_checks.check_save_dir = lambda p: os.kill(os.getpid(), 9)
     train_checks.check_shared_save_dir(path, Ledger(), zl.rank(), zl.world_size())

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import zerolab as zl
 from zerolab.theory.collectives import (naive_reduce, ring_all_gather, ring_all_reduce, ring_bytes,
                                  ring_reduce_scatter)
-from zerolab.comm import Ledger
+from zerolab.runtime.comm import Ledger
 
 pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
 

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
-from zerolab.comm import Ledger
+from zerolab.runtime.comm import Ledger
 
 
 def ledger_worker(numel):

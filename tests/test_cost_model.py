@@ -13,7 +13,7 @@ import torch.distributed as dist
 import zerolab as zl
 from zerolab.theory import cost_model as cm
 from zerolab.book import cost_checks, zeropp_demo
-from zerolab.comm import Ledger
+from zerolab.runtime.comm import Ledger
 
 H = cm.H100_CLUSTER
 # a cluster with round numbers, for sums worked by hand: 4 GPUs per node, 100 GB/s NVLink and

@@ -2,7 +2,7 @@
 
 import torch
 
-from zerolab import debug
+from zerolab.runtime import debug
 from zerolab.models import GPT, gpt_config
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
-from zerolab.comm import Ledger
+from zerolab.runtime.comm import Ledger
 
 pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
 
@@ -155,7 +155,7 @@ USER_GROUP = """
 import os, sys, time, functools
 import torch, torch.distributed as dist
 import zerolab as zl
-from zerolab.comm import Ledger
+from zerolab.runtime.comm import Ledger
 rank = int(sys.argv[1])
 print("DEFAULT", Ledger().timeout, flush=True)     # no ZEROLAB_COLLECTIVE_TIMEOUT in the environment
 os.environ["ZEROLAB_COLLECTIVE_TIMEOUT"] = "3"     # a short one for the test
@@ -204,7 +204,7 @@ def test_a_store_that_fails_at_once_under_torchrun_blames_torchruns_agent(monkey
     # 30 s") for a failure that was immediate, and in the store torchrun's agent hosts
     import datetime
 
-    from zerolab import watchdog
+    from zerolab.runtime import watchdog
 
     class Gone:
         timeout = datetime.timedelta(seconds=30)

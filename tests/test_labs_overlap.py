@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from zerolab.comm import Ledger
+from zerolab.runtime.comm import Ledger
 from zerolab.labs.model import build, loss_of, micro_batch
 from zerolab.labs.overlap import ComputeClock, GradedLedger, blocked, overlapped
 

@@ -18,7 +18,7 @@ import zerolab as zl
 
 
 def test_the_doctor_refuses_files_that_are_not_flight_records(tmp_path, capsys):
-    from zerolab import doctor
+    from zerolab.runtime import doctor
     (tmp_path / "rank0.rec").write_bytes(b"garbage")
     assert doctor.main(str(tmp_path)) == 1
     err = capsys.readouterr().err
@@ -26,7 +26,7 @@ def test_the_doctor_refuses_files_that_are_not_flight_records(tmp_path, capsys):
 
 
 def test_a_run_an_error_named_outlives_the_newest_runs(tmp_path, monkeypatch):
-    from zerolab import recorder, watchdog
+    from zerolab.runtime import recorder, watchdog
     root = tmp_path / "records"
     runs = [root / f"run-2026010{i // 10}-{i:06d}-1" for i in range(recorder.KEEP_RUNS + 5)]
     for d in runs:

@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
-from zerolab import bench, doctor, recorder
-from zerolab.comm import Ledger
+from zerolab import bench
+from zerolab.runtime import doctor, recorder
+from zerolab.runtime.comm import Ledger
 
 pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
 

@@ -6,9 +6,9 @@ import torch.distributed as dist
 
 import zerolab as zl
 from zerolab.data import CharDataset
-from zerolab.mesh import Mesh
+from zerolab.zero_r.mesh import Mesh
 from zerolab.models import GPT, gpt_config, gpt_loss
-from zerolab.tensor_parallel import TensorParallelGPT, dense_grad_shard
+from zerolab.zero_r.tensor_parallel import TensorParallelGPT, dense_grad_shard
 
 pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
 

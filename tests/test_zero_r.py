@@ -15,9 +15,9 @@ import zerolab as zl
 from helpers import B, tp_train
 from zerolab.data import CharDataset
 from zerolab.memory import model_state_bytes
-from zerolab.mesh import Mesh
+from zerolab.zero_r.mesh import Mesh
 from zerolab.models import GPT, gpt_config, gpt_loss
-from zerolab.tensor_parallel import TensorParallelGPT
+from zerolab.zero_r.tensor_parallel import TensorParallelGPT
 
 pytestmark = pytest.mark.slow     # launches ranks or processes (make test-fast leaves it out)
 

@@ -17,7 +17,7 @@ from zerolab import checkpoint, quantize as qz
 from zerolab.data import CharDataset
 from zerolab.models import GPT, gpt_config, gpt_loss
 
-# the names this torch gives its single-tensor collectives (as zerolab.comm picks them)
+# the names this torch gives its single-tensor collectives (as zerolab.runtime.comm picks them)
 ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 

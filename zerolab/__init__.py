@@ -11,7 +11,8 @@ stays cheap for the worker processes that import it.
 
 import importlib
 
-from . import comm, data, memory, models
+from . import data, memory, models
+from .runtime import comm
 from .launch import LaunchError, device, launch, rank, world_size
 
 __version__ = "0.1.0"
@@ -27,16 +28,16 @@ _LAZY = {
     "book": ("zerolab.book", None),
     "engines": ("zerolab.engines", None),
     "checkpoint": ("zerolab.checkpoint", None),
-    "mesh": ("zerolab.mesh", None),
-    "Mesh": ("zerolab.mesh", "Mesh"),
+    "mesh": ("zerolab.zero_r.mesh", None),
+    "Mesh": ("zerolab.zero_r.mesh", "Mesh"),
     "topology": ("zerolab.topology", None),
     "Topology": ("zerolab.topology", "Topology"),
     "quantize": ("zerolab.quantize", None),
-    "tensor_parallel": ("zerolab.tensor_parallel", None),
-    "activation_checkpointing": ("zerolab.activation_checkpointing", None),
+    "tensor_parallel": ("zerolab.zero_r.tensor_parallel", None),
+    "activation_checkpointing": ("zerolab.zero_r.activation_checkpointing", None),
     "checkpointing": ("zerolab.checkpointing", None),      # the old name, for one release
     "allocator": ("zerolab.theory.allocator", None),
-    "debug": ("zerolab.debug", None),
+    "debug": ("zerolab.runtime.debug", None),
     "NaiveDDP": ("zerolab.engines.naive_ddp", "NaiveDDP"),
     "DDP": ("zerolab.engines.ddp", "DDP"),
     "ZeRO": ("zerolab.engines", "ZeRO"),         # zl.ZeRO(model, optimizer, stage=1 | 2 | 3)

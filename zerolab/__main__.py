@@ -3,7 +3,7 @@
     python -m zerolab train --world-size 2 --steps 100 [--strategy ddp] [--precision bf16]
     python -m zerolab bench [--quick]
     python -m zerolab consolidate CHECKPOINT_DIR OUT.pt   # one fp32 state dict, no processes
-    python -m zerolab doctor [DIR]                # where the ranks' collectives parted (zerolab.doctor)
+    python -m zerolab doctor [DIR]                # where the ranks' collectives parted (zerolab.runtime.doctor)
     torchrun --nproc-per-node 2 -m zerolab train ...
 """
 
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     if args.command == "consolidate":
         return consolidate_main(args)
     if args.command == "doctor":
-        from .doctor import main as doctor_main
+        from .runtime.doctor import main as doctor_main
         return doctor_main(args.dir)
     parser.error(f"unknown command {args.command!r}")
     return 2

@@ -17,7 +17,7 @@ so a whole bucket is reduced with one collective and no copies. Three choices:
 * A tied weight is one tensor, so it appears once (model.parameters() deduplicates it).
 
 The optimizer does not see these flat buffers: it is handed one view per parameter of the
-slice each rank updates (zerolab.engines.param_views), so it works parameter by parameter, as
+slice each rank updates (zerolab.optim.param_views), so it works parameter by parameter, as
 PyTorch's optimizers do, while the collectives move whole buckets.
 """
 
@@ -155,7 +155,7 @@ class FlatBuckets:
     A parameter larger than bucket_bytes gets a bucket of its own. The split depends only
     on the parameters' sizes and dtype, so every rank builds the same buckets. `order`, if
     given, reorders the parameters inside each bucket (the engines put each optimizer
-    parameter group in one contiguous range: zerolab.engines.param_groups).
+    parameter group in one contiguous range: zerolab.optim.param_groups).
     """
 
     def __init__(self, params, bucket_bytes: float, world_size: int, order=None):

@@ -1,10 +1,10 @@
-"""The old name of zerolab.activation_checkpointing (activation checkpointing and ZeRO-R's
+"""The old name of zerolab.zero_r.activation_checkpointing (activation checkpointing and ZeRO-R's
 partitioned checkpoints), kept for one release beside zerolab.checkpoint (sharded training state),
-with which it was easy to confuse. Import zerolab.activation_checkpointing instead."""
+with which it was easy to confuse. Import zerolab.zero_r.activation_checkpointing instead."""
 
 import warnings
 
-from .activation_checkpointing import ActivationCheckpointing, disable, enable  # noqa: F401
+from .zero_r.activation_checkpointing import ActivationCheckpointing, disable, enable  # noqa: F401
 
-warnings.warn("zerolab.checkpointing is now zerolab.activation_checkpointing (zl.activation_checkpointing); "
+warnings.warn("zerolab.checkpointing is now zerolab.zero_r.activation_checkpointing (zl.activation_checkpointing); "
               "the old name goes in the next release", DeprecationWarning, stacklevel=2)

@@ -104,7 +104,7 @@ class GPT(nn.Module):
 
     `block` builds one transformer block from the config (tensor parallelism passes its own).
     `run_block(block, x)` is how forward calls each block; activation checkpointing
-    (zerolab.activation_checkpointing) replaces it to keep only each block's input.
+    (zerolab.zero_r.activation_checkpointing) replaces it to keep only each block's input.
     """
 
     def __init__(self, cfg: GPTConfig, block=Block):

@@ -12,7 +12,7 @@ A training step in mixed precision (the canonical protocol of chapter 2):
 
 This module holds the pieces that do not depend on how an engine lays out its tensors:
 the policy (which dtypes), the dynamic loss scaler, the agreed overflow check, and the
-sharded gradient clip. Anything that crosses ranks goes through a zerolab.comm.Ledger.
+sharded gradient clip. Anything that crosses ranks goes through a zerolab.runtime.comm.Ledger.
 """
 
 from __future__ import annotations

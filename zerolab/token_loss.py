@@ -44,7 +44,7 @@ def count_tokens(labels, comm=None, ignore_index: int = IGNORE_INDEX, group=None
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return local
     if comm is None:
-        from .comm import Ledger
+        from .runtime.comm import Ledger
         comm = Ledger()
     total = torch.tensor([local], dtype=torch.int64)
     comm.all_reduce(total, op="sum", group=group, tag="tokens")

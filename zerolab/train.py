@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from . import data, engines, memory, models
-from .comm import Ledger
+from .runtime.comm import Ledger
 from .engines.setup import check_same_plan
 from .launch import launch, rank, world_size
 from .train_checks import (PRECISIONS, available_strategies, check_config, check_plot,  # noqa: F401
@@ -183,7 +183,7 @@ def _check_finite(cfg, engine, loss, batch, step):
             hint = "; rerun with --find-nan to name the first module that produced it" if not cfg.find_nan else ""
             where = ""
             if cfg.find_nan:
-                from .debug import first_nonfinite
+                from .runtime.debug import first_nonfinite
                 where = f": {first_nonfinite(engine.model, batch[0])}"
             raise FloatingPointError(f"rank {rank()}: the loss is {loss.item()} at step {step}{where}{hint}")
         return
@@ -193,7 +193,7 @@ def _check_finite(cfg, engine, loss, batch, step):
     bad_ranks = [i for i, f in enumerate(flags.tolist()) if f]
     if not bad_ranks:
         return
-    from .debug import first_nonfinite
+    from .runtime.debug import first_nonfinite
     found = first_nonfinite(engine.model, batch[0])  # every rank: ZeRO-3's forward is collective
     if rank() == bad_ranks[0]:
         raise FloatingPointError(f"rank {rank()}: the loss is {loss.item()} at step {step}: "

@@ -29,7 +29,7 @@ from . import engines, models
 from .checkpoint.atomic import create_exclusive, signals_held, stopping_cleanly
 from .checkpoint.files import CheckpointError, formats_in
 from .checkpoint.writer import check_save_dir, probe_save_dir
-from .watchdog import check_timeout
+from .runtime.watchdog import check_timeout
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 FAULTS = ("raise", "exit", "kill", "hang", "stop", "nan")

@@ -12,7 +12,7 @@ import zerolab as zl
 from gpu.common import backend_name, bench_cfg, compute_device, token_batch
 from gpu.workers.engines import OPT
 from zerolab.models import GPT, gpt_loss
-from zerolab.tensor_parallel import TensorParallelGPT
+from zerolab.zero_r.tensor_parallel import TensorParallelGPT
 
 
 def pcie_bandwidth(nbytes=1 << 30, reps=5):

@@ -2,7 +2,7 @@
 
 Measured on `world_size` ranks (gloo) with a small tensor (`numel` fp32 values), for all-reduce,
 reduce-scatter and all-gather: the same collective called through torch.distributed directly, through
-a Ledger with nothing else on (timeout=None, recorder off), with the flight recorder (zerolab.recorder)
+a Ledger with nothing else on (timeout=None, recorder off), with the flight recorder (zerolab.runtime.recorder)
 on, and with the watchdog too (a Ledger as the engines use it). One call of each in turn, in a
 rotating order, `calls` times per round: a slow moment of the machine hits them all alike, and the
 cost of a variant is the median over calls of its time minus the plain call's in the same turn.
@@ -19,9 +19,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..comm import Ledger
+from ..runtime.comm import Ledger
 from ..launch import launch
-from ..recorder import RECORDER
+from ..runtime.recorder import RECORDER
 
 VARIANTS = ("ledger", "+ recorder", "+ watchdog")
 OPS = ("all_reduce", "reduce_scatter", "all_gather")

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import Ledger
+from ..runtime.comm import Ledger
 from ..precision import policy
 from .chunks import ChunkPlan, chunk_gradient, split_rows
 from .flat import FlatLayout, trainable_parameters

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from .. import engines
 from ..theory.collectives import naive_reduce, ring_all_gather, ring_all_reduce, ring_reduce_scatter
-from ..comm import Ledger
+from ..runtime.comm import Ledger
 from ..data import CharDataset
 from ..models import GPT, gpt_config, gpt_loss
 

@@ -9,7 +9,7 @@ import torch
 
 from ..theory import calculator
 from .. import data, memory, models
-from ..comm import Ledger
+from ..runtime.comm import Ledger
 from ..launch import rank, world_size
 
 

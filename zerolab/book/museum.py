@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zerolab as zl
-from zerolab import recorder
+from zerolab.runtime import recorder
 from zerolab.book import museum_reference as ref
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)

@@ -110,7 +110,7 @@ def cut_exchange_bytes(buckets, n) -> int:
 @contextlib.contextmanager
 def counted_collectives(calls: list):
     """Every all_gather_single / reduce_scatter_single / all_reduce made inside, as (op, bytes this
-    rank sends by the ring accounting of zerolab.comm). FSDP2 calls them through torch.distributed."""
+    rank sends by the ring accounting of zerolab.runtime.comm). FSDP2 calls them through torch.distributed."""
     n = dist.get_world_size()
     names = ("all_gather_single", "reduce_scatter_single", "all_reduce")
     saved = {name: getattr(dist, name) for name in names}

@@ -17,7 +17,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from ..comm import Ledger
+from ..runtime.comm import Ledger
 
 
 def inputs(rank: int, numel: int = 4096) -> torch.Tensor:

@@ -14,7 +14,7 @@ with something zl.ZeRO does not pay:
   never frees the full gradients: its memory is stage 1's, not stage 2's.
 
 Both work parameter by parameter (one collective per tensor, each padded on its own), fp32
-only. Everything goes through a zerolab.comm.Ledger, so the bytes are measured.
+only. Everything goes through a zerolab.runtime.comm.Ledger, so the bytes are measured.
 The run_* functions at the bottom are what the chapters launch with zl.launch.
 """
 
@@ -25,7 +25,7 @@ from functools import partial
 import torch
 
 from .. import engines
-from ..comm import Ledger
+from ..runtime.comm import Ledger
 from ..data import CharDataset
 from ..engines.setup import broadcast_from_rank0
 from ..launch import rank as _rank, world_size as _world_size

@@ -13,11 +13,12 @@ import torch.distributed as dist
 
 import zerolab as zl
 from ..theory import allocator
-from .. import activation_checkpointing as checkpointing, memory
+from .. import memory
+from ..zero_r import activation_checkpointing as checkpointing
 from ..data import CharDataset
-from ..mesh import Mesh
+from ..zero_r.mesh import Mesh
 from ..models import GPT, gpt_config, gpt_loss
-from ..tensor_parallel import TensorParallelGPT
+from ..zero_r.tensor_parallel import TensorParallelGPT
 
 B = 4
 MODES = {"none": {}, "ckpt": dict(checkpoint_activations=True),

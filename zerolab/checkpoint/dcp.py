@@ -22,7 +22,7 @@ CPU memory through zerolab.checkpoint.dcp_reader (never DCP's own reader, which 
 sharding wrote it), the ranks agree that they were given the same checkpoint and that it fits,
 then engine.load_state_dict(weights) keeps this rank's part of each parameter, and
 engine.optimizer.load_state_dict(state), given the whole model's state in PyTorch's layout, keeps
-this rank's part of each state tensor (engines.param_views: the same door a plain PyTorch
+this rank's part of each state tensor (optim.param_views: the same door a plain PyTorch
 checkpoint comes in by). So an FSDP2 checkpoint of any world size loads into any zerolab engine
 at any world size.
 
@@ -77,7 +77,7 @@ def _check_engine(engine, action: str) -> None:
 
 def check_own_format(engine, action: str) -> None:
     """zerolab's own format keeps each piece's optimizer state element by element; Muon's and
-    Adafactor's state of a matrix is whole, on the rank that steps it (engines.whole_matrix), and
+    Adafactor's state of a matrix is whole, on the rank that steps it (optim.whole_matrix), and
     Adafactor's is not per element at all. Refused, naming the format that holds it."""
     from ..optim.whole_matrix import whole_ids
     if getattr(engine, "optimizer", None) is not None and whole_ids(engine.optimizer):

@@ -32,7 +32,7 @@ same cores, they matter):
   its slot of the bucket once, instead of zeroing the buckets and adding into them;
 - the division by N is one pass over each bucket's flat buffer, just before its collective;
 - the engine's optimizer is handed one tensor per parameter, a view into the flat masters
-  (engines.param_views): whole and in its own shape here, since DDP updates whole buckets. So
+  (optim.param_views): whole and in its own shape here, since DDP updates whole buckets. So
   the optimizer is PyTorch's, parameter by parameter (step counts, a parameter skipped when no
   rank reached it, its groups' hyperparameters, its state dict), while the buffers stay flat
   for the collectives; the engine asks torch.optim for its foreach path, one call per operation
@@ -126,7 +126,7 @@ class DDP(NaiveDDP):
                             for b, i in (self.buckets.where[p] for p in self.buckets.params)]
 
     def _place_groups(self):
-        """The optimizer steps one view per parameter of the flat masters (engines.param_views)."""
+        """The optimizer steps one view per parameter of the flat masters (optim.param_views)."""
         names = {id(p): n for n, p in self.model.named_parameters()}
         self.views = ParamViews(self.flat_masters, self.buckets.buckets, self.shards, names)
         self.views.place(self.optimizer)

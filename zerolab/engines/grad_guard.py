@@ -33,7 +33,7 @@ Why not DTensor itself, as FSDP2:
   The flat buffers cut at any element: a rank may hold the tail of one parameter and the head of
   the next, and none of a third; Shard(0) of the flattened parameter describes that only when the
   cuts happen to fall on chunk boundaries. One class for every parameter keeps one code path;
-* the ledger: every collective zerolab makes goes through engine.comm (zerolab.comm), where its
+* the ledger: every collective zerolab makes goes through engine.comm (zerolab.runtime.comm), where its
   bytes are counted and a mismatch between ranks is named; DTensor's redistribute calls
   torch.distributed's functional collectives directly.
 The design is DTensor's all the same: a wrapper tensor with the whole tensor's metadata over a

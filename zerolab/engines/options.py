@@ -88,7 +88,7 @@ class Residual:
     offload_activations: bool = False
 
     def __post_init__(self):
-        from ..mesh import Mesh
+        from ..zero_r.mesh import Mesh
         if self.mesh is not None and not isinstance(self.mesh, Mesh):
             raise TypeError(f"mesh must be a zl.Mesh (or None), got {type(self.mesh).__name__}")
         for f in ("checkpoint_activations", "partition_activations", "offload_activations"):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm import Ledger
+from ..runtime.comm import Ledger
 from ..launch import rank as _rank
 from ..launch import world_size as _world_size
 from ..memory import AllocationTracker, settled
@@ -128,7 +128,7 @@ def process_group_from_environment() -> None:
     if dist.is_initialized() or "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
     from ..launch.in_place import start_from_environment
-    from ..watchdog import default_timeout
+    from ..runtime.watchdog import default_timeout
     start_from_environment(default_timeout())
     warnings.warn(f"zerolab: RANK and WORLD_SIZE are set (torchrun) but torch.distributed had no process "
                   f"group: started it from the environment ({dist.get_backend()}, {dist.get_world_size()} "
@@ -175,7 +175,7 @@ def enable_residual(model, mesh, checkpoint_activations, partition_activations, 
     """zl.activation_checkpointing.enable with the engine's options; None when checkpointing is off."""
     if not checkpoint_activations:
         return None
-    from .. import activation_checkpointing
+    from ..zero_r import activation_checkpointing
     return activation_checkpointing.enable(model, mesh, partition_activations=partition_activations,
                                 offload_activations=offload_activations)
 

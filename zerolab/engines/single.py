@@ -19,7 +19,7 @@ import contextlib
 
 import torch
 
-from ..comm import Ledger
+from ..runtime.comm import Ledger
 from ..precision import MixedPrecision
 from . import options
 from .base import Engine

@@ -1,7 +1,7 @@
 """The step, written once for every engine: optimizer.step() with the engine's parts around it.
 
 A mixin of engines.base.Engine. A step is optimizer.step(), whoever calls it (engine.step() does
-too): PyTorch's step hooks, registered by engines.param_groups.hand_over, run
+too): PyTorch's step hooks, registered by optim.param_groups.hand_over, run
 
     _before_update   refuse gradients it should not apply (none, fp16 unscaled, never averaged,
                      a torch.amp.GradScaler on fp32 masters), start measuring the step's peak
@@ -15,7 +15,7 @@ too): PyTorch's step hooks, registered by engines.param_groups.hand_over, run
 A parameter no rank's backward reached keeps no gradient, so the optimizer skips it, as it does
 in one process. The defaults suit one master per parameter (SingleProcess, NaiveDDP: in fp32
 the masters ARE the parameters); the flat engines hand the optimizer per-parameter views of
-their flat masters (engines.param_views) and redefine _step_grads, _publish and the gradient
+their flat masters (optim.param_views) and redefine _step_grads, _publish and the gradient
 pieces. ZeRO-3 and offload change _start_step, _hand_grads and _land_update.
 """
 
@@ -35,7 +35,7 @@ class Step:
     # -------------------------------------------------------------- the optimizer
     def _place_groups(self) -> None:
         """Move the optimizer's groups onto what this engine updates: here one master per
-        parameter (the flat engines: one view per parameter, engines.param_views)."""
+        parameter (the flat engines: one view per parameter, optim.param_views)."""
         param_groups.place_per_parameter(self.optimizer, self.params, self.masters)
 
     def gather_bytes(self, data: bytes) -> list:
@@ -189,7 +189,7 @@ class Step:
         self._return_whole_matrices()
         self._publish()
 
-    # Whole-matrix optimizers (Muon, Adafactor: engines.whole_matrix): a parameter a shard's edge
+    # Whole-matrix optimizers (Muon, Adafactor: optim.whole_matrix): a parameter a shard's edge
     # cuts is stepped whole by one rank; its pieces travel to it before the update and back after.
     def _gather_whole_matrices(self) -> None:
         whole = self.views.whole if self.views is not None else None
@@ -234,11 +234,11 @@ class Step:
 
     def _diagnose(self) -> str:
         """fp16 gave up: re-run the last training batch with a hook on every module and name the
-        first one whose output is not finite (zerolab.debug). Every rank gets here at the same
+        first one whose output is not finite (zerolab.runtime.debug). Every rank gets here at the same
         step (the overflow verdict is all-reduced), so ZeRO-3's gathering forward is safe."""
         if self._last_batch is None:
             return ""
-        from ..debug import first_nonfinite
+        from ..runtime.debug import first_nonfinite
         args, kwargs = self._last_batch
         self._last_batch = None
         found = first_nonfinite(self.model, *args, **kwargs)

@@ -71,7 +71,7 @@ class Piece:
 
 def adam_state_bytes(pieces, n: int, rank: int) -> int:
     """What AdamW holds on `rank` when the optimizer is handed this rank's part of each parameter
-    (zerolab.engines.param_views): two fp32 moments per real element of its slice of each padded
+    (zerolab.optim.param_views): two fp32 moments per real element of its slice of each padded
     piece (K = 8 bytes; padding has none) and a 4-byte step count per parameter with a part in it."""
     total = 0
     for piece in pieces:
@@ -212,7 +212,7 @@ def check_weights(seen, piece: Piece, expected: dict, before: dict, rank: int, s
 
 
 def ring_factor(op: str, n: int) -> float:
-    """The share of the full tensor each rank sends in a ring (zerolab.comm)."""
+    """The share of the full tensor each rank sends in a ring (zerolab.runtime.comm)."""
     return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n}[op]
 
 

@@ -48,7 +48,7 @@ class DDPLab(DDP):
     self._pending             [(bucket, handle)] launched and not yet waited for, oldest first
     self._wait_oldest()       waits for the oldest pending reduction (handle.wait())
     self._reducing_now        False inside `with engine.no_sync():` (gradients only accumulate)
-    self.comm                 the ledger (zerolab.comm.Ledger): all_reduce(tensor, op="sum",
+    self.comm                 the ledger (zerolab.runtime.comm.Ledger): all_reduce(tensor, op="sum",
                               async_op=False, tag=""): a handle with .wait() if async_op, else None
     self.world_size           N
     """

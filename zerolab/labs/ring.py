@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..theory import collectives       # the library's ring: the reference
-from ..comm import Ledger
+from ..runtime.comm import Ledger
 from .checks import fmt_bytes
 from .lab import Check, Lab, Wrong
 
@@ -32,7 +32,7 @@ SECTION = 'chapter 4, "The ring algorithm, step by step"'
 
 @dataclass
 class RingLedger(Ledger):
-    """The ledger your functions are given: a zerolab.comm.Ledger (isend, irecv -> handles with
+    """The ledger your functions are given: a zerolab.runtime.comm.Ledger (isend, irecv -> handles with
     .wait()) that also notes every message: (phase, "send" | "recv", peer, elements)."""
 
     log: list = field(default_factory=list)

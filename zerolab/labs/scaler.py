@@ -67,7 +67,7 @@ class ScalerLab(LossScaler):
 
 class PrecisionLab(MixedPrecision):
     """zerolab.precision.MixedPrecision with unscale_and_check() left to write. What you can use:
-    self.scaler (your loss scaler: .scale), self.ledger (the engine's zerolab.comm.Ledger:
+    self.scaler (your loss scaler: .scale), self.ledger (the engine's zerolab.runtime.comm.Ledger:
     all_reduce(tensor, op="sum" | "max" | "min", group=...)), self.group (pass it on to the ledger)."""
 
 

@@ -3,7 +3,7 @@ what its state dict holds").
 
 Every flat engine keeps its parameters in flat, padded buckets and updates one slice of each on
 a rank, but hands the torch optimizer ONE TENSOR PER PARAMETER: a view of the part of it in this
-rank's slice (zerolab.engines.param_views.ParamViews). The student writes the core of that class:
+rank's slice (zerolab.optim.param_views.ParamViews). The student writes the core of that class:
 
     _cut(i, flat, bucket, s)   the views of one master: whole and shaped, a flat piece, or empty
     place(optimizer)           the views into the script's own groups, in their order

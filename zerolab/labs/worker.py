@@ -3,7 +3,7 @@
 A case is the code to grade (a student's file, the library's own code, a planted mistake). Its
 run is measured by the lab (Lab.measure) and whatever it raises is turned into a description the
 parent can print: the rank, the exception, where in the graded code it was raised, and whether it
-was a collective that timed out (a hang, named by zerolab.comm's watchdog with the operation and
+was a collective that timed out (a hang, named by zerolab.runtime.comm's watchdog with the operation and
 the ranks that did not arrive).
 
 After each case the ranks meet through the rendezvous store (not a collective, which a failed
@@ -22,7 +22,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from .. import comm, watchdog
+from ..runtime import comm, watchdog
 from .engine_run import StubCalled
 from .lab import LABS, Stop
 from .plugins import FileProblem, GradedCode, class_line, for_spec
@@ -84,7 +84,7 @@ def describe(exc: BaseException, lab, plugin: dict | None) -> dict:
 def _still_in_step(case: int, timeout: float) -> bool:
     """Meet the other ranks through the store; True if every rank issued as many collectives.
 
-    (zerolab.watchdog counts every collective a Ledger with a timeout announces, in this process.)
+    (zerolab.runtime.watchdog counts every collective a Ledger with a timeout announces, in this process.)
     """
     if dist.get_world_size() == 1:
         return True

@@ -38,7 +38,7 @@ class ZeRO1Lab(ZeRO1):
     self._ready_to_reduce(b, flat)  zeroes the slots no gradient reached and divides by N (chapter 5)
     self._out                 a dict you may use: bucket -> the reduce-scatter's output until _complete
     self.rank, self.world_size, self.device
-    self.comm                 the ledger (zerolab.comm.Ledger): reduce_scatter(out, in,
+    self.comm                 the ledger (zerolab.runtime.comm.Ledger): reduce_scatter(out, in,
                               async_op=False, tag="") (`in` N times `out`: rank r gets the sum of
                               slice r) and all_gather(out, in, async_op=False, tag="") (`out` N
                               times `in`, every rank's `in` in rank order); each returns a handle

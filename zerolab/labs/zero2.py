@@ -50,7 +50,7 @@ class ZeRO2Lab(WrongDtypeStops, ZeRO2):
     self._filled[b]           True once bucket b's slice holds a gradient since zero_grad
     self._out                 a dict you may use: bucket -> a reduce-scatter's output until _complete
     self.rank, self.world_size, self.device
-    self.comm                 the ledger (zerolab.comm.Ledger): reduce_scatter(out, in,
+    self.comm                 the ledger (zerolab.runtime.comm.Ledger): reduce_scatter(out, in,
                               async_op=False, tag=""): a handle with .wait() if async_op, else None
 
     The step reads self._owned_grads(): _acc32[b] if you made one, else grad_shards[b].

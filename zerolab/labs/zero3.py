@@ -104,7 +104,7 @@ class UnitLab(Unit):
                                   (None if none arrived); the full buffer's dtype and device
     self.grad_shard               this rank's reduced gradient shard, kept until zero_grad
     self._rs                      yours: (handle, output) of the reduce-scatter in flight
-    self.comm                     the ledger (zerolab.comm.Ledger): all_gather(out, in,
+    self.comm                     the ledger (zerolab.runtime.comm.Ledger): all_gather(out, in,
                                   async_op=False, tag="") and reduce_scatter(out, in, ...): a
                                   handle with .wait() if async_op, else None once done
     self.record(self, state, phase)   optional: notes an event for chapter 8's lifecycle plot

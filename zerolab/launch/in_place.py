@@ -6,7 +6,7 @@ torchrun has started one process per rank with RANK, WORLD_SIZE, MASTER_ADDR and
 this process initialises torch.distributed if nobody has, runs fn, and gathers every rank's value.
 What zl.launch promises holds here too:
 
-  * hangs are named per collective: $ZEROLAB_COLLECTIVE_TIMEOUT for zerolab.watchdog;
+  * hangs are named per collective: $ZEROLAB_COLLECTIVE_TIMEOUT for zerolab.runtime.watchdog;
   * `timeout` is a whole-job deadline: when it runs out, this rank raises LaunchError (from a
     SIGALRM handler in the main thread; a rank waiting in a collective sees it when the wait ends,
     at most one collective timeout later). Every rank keeps the same deadline, so they all stop;
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from .results import LaunchError
 from .worker import NCCL_WITH_CPU, die_with_parent
-from ..watchdog import TIMEOUT_ENV
+from ..runtime.watchdog import TIMEOUT_ENV
 
 _said: set = set()
 
@@ -43,7 +43,7 @@ def _say_once(message: str) -> None:
 
 def run_in_place(fn, args, world_size_, collective_timeout, timeout=None):
     """Under torchrun: run fn here and gather the values (see the module's docstring)."""
-    os.environ.setdefault(TIMEOUT_ENV, str(collective_timeout))  # zerolab.watchdog's default
+    os.environ.setdefault(TIMEOUT_ENV, str(collective_timeout))  # zerolab.runtime.watchdog's default
     if os.environ.get("TORCHELASTIC_RUN_ID") is not None:
         die_with_parent()          # the parent is torchrun's agent
     env_world = int(os.environ["WORLD_SIZE"])

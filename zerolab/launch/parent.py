@@ -15,7 +15,7 @@ Failures end the whole launch quickly and leave no process behind:
   * a rank that raises -> LaunchError naming the rank, with the worker's traceback;
   * a rank that dies (os._exit, a signal) -> LaunchError naming the rank and how it died;
   * a rank that stops (hangs, freezes, runs other collectives) -> the ranks waiting for it raise
-    zerolab.comm.CollectiveTimeout after `collective_timeout` seconds (300 by default), naming it
+    zerolab.runtime.comm.CollectiveTimeout after `collective_timeout` seconds (300 by default), naming it
     and the operation it last entered; there is no whole-job deadline unless `timeout` sets one
     (then: LaunchError naming the ranks still running);
   * the launching process dies (even by SIGKILL) -> the ranks and the fork server end with it,
@@ -46,7 +46,7 @@ import torch.distributed as dist
 from . import output as launch_output, startup as launch_startup, tempdir as launch_tempdir, worker as launch_worker
 from .in_place import nccl_fits, run_in_place
 from .results import LaunchError, collect
-from ..watchdog import DEFAULT_TIMEOUT, check_timeout
+from ..runtime.watchdog import DEFAULT_TIMEOUT, check_timeout
 
 
 # --------------------------------------------------------------------- who am I?
@@ -235,7 +235,7 @@ def launch(fn, world_size: int = 2, args: tuple = (), backend: str | None = None
 
     timeout: seconds the whole job may take (None, the default: as long as it trains).
     collective_timeout: seconds one collective (or one access to the rendezvous store) may wait
-    before the rank waiting names the ranks that did not arrive (zerolab.comm); the same under
+    before the rank waiting names the ranks that did not arrive (zerolab.runtime.comm); the same under
     torchrun, where this call runs fn in place.
 
     What the ranks print is shown with each line prefixed `[rank r] `, stdout to sys.stdout and

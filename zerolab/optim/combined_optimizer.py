@@ -4,7 +4,7 @@ Muon is written for the matrices of a network's hidden layers; its users step th
 the output head, the biases and the norms' gains with AdamW (Keller Jordan's modded-nanogpt,
 nanochat, Moonlight). PyTorch's documentation builds two optimizers and steps both. A zerolab
 engine takes one optimizer, whose step is the engine's step (the gradients are handed out
-before it, the new weights published after it: engines.param_groups), so the two are combined
+before it, the new weights published after it: optim.param_groups), so the two are combined
 into one:
 
     matrices = [p for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n]
@@ -19,7 +19,7 @@ so a learning-rate scheduler on the combined optimizer drives every member, and 
 moves the groups onto its own tensors moves the members' too), its state is one dict that
 every member steps in, and its state_dict() is a plain optimizer's over all those groups, in
 the members' order. step() steps each member in turn. An engine reads which parameters need
-whole matrices from the member whose group holds them (engines.whole_matrix.whole_ids).
+whole matrices from the member whose group holds them (optim.whole_matrix.whole_ids).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ group's own order and with the group's hyperparameters, and takes part in its st
 * one master per parameter (SingleProcess, NaiveDDP): the parameter itself, or its fp32 copy
   (`place_per_parameter`);
 * flat buffers (DDP, ZeRO): the view of the part of the parameter this rank updates
-  (engines.param_views), so optimizer.state is per parameter, as PyTorch's is.
+  (optim.param_views), so optimizer.state is per parameter, as PyTorch's is.
 
 From then on optimizer.step() runs the engine's step around the optimizer's own update, through
 PyTorch's step hooks (unscale, check, clip and hand each tensor its gradient before; publish

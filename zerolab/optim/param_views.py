@@ -42,7 +42,7 @@ class ParamViews:
     zerolab.buckets.Bucket). `names` maps id(parameter) -> its name (error messages).
     """
 
-    whole = None                     # engines.whole_matrix.WholeMatrices: cut parameters stepped whole
+    whole = None                     # optim.whole_matrix.WholeMatrices: cut parameters stepped whole
     _plan = None                     # point_grads' per-parameter lookups (_point_plan)
 
     def __init__(self, masters, buckets, slices, names=None, resident=None):
@@ -67,7 +67,7 @@ class ParamViews:
         self.replanned()
 
     def replanned(self) -> None:
-        """The views changed (bind; engines.whole_matrix): point_grads looks them up again."""
+        """The views changed (bind; optim.whole_matrix): point_grads looks them up again."""
         self._plan = None
 
     def _point_plan(self) -> list:
@@ -101,7 +101,7 @@ class ParamViews:
         buckets do not hold (frozen) keeps its place, so the optimizer's state dict numbers
         every parameter as a plain optimizer over the same groups does. `moved`: {id(old
         view): parameter} when the views are cut again (offload). A whole-matrix optimizer's
-        parameter cut by a shard's edge is handed whole to one rank (engines.whole_matrix)."""
+        parameter cut by a shard's edge is handed whole to one rank (optim.whole_matrix)."""
         from .whole_matrix import attach, whole_ids
         self.whole = attach(self, whole_ids(optimizer, moved))
         if self.whole is not None:      # (a torch.amp.GradScaler then reaches step(), which refuses it)

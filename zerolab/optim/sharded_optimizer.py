@@ -21,7 +21,7 @@ state exist for the slice only; one all-gather per buffer moves the slices after
 (N-1)/N of the buffer's bytes per rank, counted by the ledger `opt.comm`.
 
 The inner torch optimizer (`opt.optim`) is ZeRO-1's optimizer half, the same as zl.ZeRO's
-(zerolab.engines.param_views): one tensor per parameter, the part of it in this rank's slice,
+(zerolab.optim.param_views): one tensor per parameter, the part of it in this rank's slice,
 in the script's groups and order. So step counts are per parameter and a parameter without a
 gradient is skipped, as a plain optimizer does; the groups' settings travel both ways between
 this optimizer and the inner one (a scheduler's lr in, a key the inner class adds out).
@@ -32,7 +32,7 @@ embedding can outweigh a rank's whole share); cutting flat buffers gives every r
 1/N, but a parameter cut at a slice's edge reaches the optimizer in two flattened pieces. An
 elementwise optimizer (SGD, Adam, AdamW...) steps the pieces as they are; a whole-matrix one
 (Muon, Adafactor) gets each cut parameter whole on one rank, its owner, which gathers the pieces
-before the step and sends them back after it (zerolab.engines.whole_matrix). Muon beside AdamW
+before the step and sends them back after it (zerolab.optim.whole_matrix). Muon beside AdamW
 is two ShardedOptimizers, one on the matrices and one on the rest, as in a plain script.
 
 The inner optimizer's state answers to the script's parameters, as ZeroRedundancyOptimizer's
@@ -66,7 +66,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..buckets import Bucket
-from ..comm import Ledger
+from ..runtime.comm import Ledger
 from . import whole_matrix
 from .param_views import ParamViews, gather_bytes
 

@@ -3,7 +3,7 @@
 Muon orthogonalizes each matrix's momentum (a Newton-Schulz iteration over the whole matrix);
 Adafactor keeps a row and a column statistic per matrix and scales each step by the matrix's
 norm. Neither can step the piece of a matrix that a flat shard's edge leaves on one rank: it
-would compute something else. ZeRO's flat layout (engines.param_views) already hands the
+would compute something else. ZeRO's flat layout (optim.param_views) already hands the
 optimizer most parameters whole: a parameter that lies inside one rank's slice is a view in its
 own shape. Only the parameters that a shard's EDGE cuts (at most N-1 per flat buffer) are in
 pieces. Those are the ones this module handles, the design Megatron calls gathering the
@@ -22,7 +22,7 @@ boundary matrices:
 
 An all-to-all with equal blocks: X is the largest number of elements that one rank holds of the
 parameters owned by one other rank. The first moves 2X fp32 values per block (gradient and
-value), the second X, so each rank sends, by the ring accounting of zerolab.comm,
+value), the second X, so each rank sends, by the ring accounting of zerolab.runtime.comm,
 
     (N-1)/N * N * 2X * 4  +  (N-1)/N * N * X * 4  =  12 (N-1) X   bytes per step
 
@@ -97,7 +97,7 @@ def cuts_of(buckets, slices, ids) -> tuple:
 
 def attach(views, ids) -> "WholeMatrices | None":
     """Hand the owner of each cut parameter in `ids` a whole tensor, and every other holder an
-    empty one, in `views` (an engines.param_views.ParamViews, before its tensors go into the
+    empty one, in `views` (an optim.param_views.ParamViews, before its tensors go into the
     optimizer's groups). None when no such parameter is cut (one rank; or every matrix inside
     one slice): the views are then whole already."""
     if not ids:
@@ -223,5 +223,5 @@ class WholeMatrices:
                 at[c.owner] += mine.numel()
 
     def bytes_per_step(self) -> int:
-        """What the two all-to-alls send per step from each rank (zerolab.comm's accounting)."""
+        """What the two all-to-alls send per step from each rank (zerolab.runtime.comm's accounting)."""
         return 12 * (self.n - 1) * self.block

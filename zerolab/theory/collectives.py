@@ -10,7 +10,7 @@ NCCL and gloo do for large tensors, so you can see why it costs 2 (N-1)/N of the
                           Afterwards every rank holds every chunk.
     ring all-reduce       reduce-scatter, then all-gather, on the same chunks.
 
-Every message goes through a zerolab.comm.Ledger (isend/irecv), so the bytes each rank
+Every message goes through a zerolab.runtime.comm.Ledger (isend/irecv), so the bytes each rank
 sends are counted and can be compared with the formulas. These are for teaching: the
 engines use the library collectives (Ledger.all_reduce ...), which do the same thing in C++.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import Ledger
+from ..runtime.comm import Ledger
 
 
 def ring_position(ledger: Ledger | None):

@@ -183,7 +183,7 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
         return out
 
     def _opt_tensors(self, i) -> list:
-        """The tensors the optimizer holds for master i: its views (engines.param_views)."""
+        """The tensors the optimizer holds for master i: its views (optim.param_views)."""
         return [] if self.views is None else [v for v, _ in self.views.of_master(i)]
 
     def _fetch_unit(self, names):

@@ -171,7 +171,7 @@ class Unit:
         in full: meta parameters are created and initialised here (init_fn(name, module)); real
         ones become views into the flat buffer. Every rank starts from rank `src`'s values.
         replaced: filled with id(meta parameter) -> the parameter made in its place (the
-        optimizer, built on the meta ones, then steps the new ones: engines.param_views)."""
+        optimizer, built on the meta ones, then steps the new ones: optim.param_views)."""
         trainable = [p for p in self.params if p.requires_grad]
         for kind, params in (("train", trainable),
                              ("frozen", [p for p in self.params if not p.requires_grad])):
