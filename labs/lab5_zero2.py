@@ -41,7 +41,7 @@ class MyZeRO2(ZeRO2Lab):
 
     def _complete(self, b):
         """Bucket b's reduction has finished. Must leave: the step's reading of bucket b's slice
-        (self._owned_grads()) being the sum of its micro-batches' results, added in fp32; the slice
+        (self.owned_grads()) being the sum of its micro-batches' results, added in fp32; the slice
         marked filled; the buffer back in the pool for the next bucket; and, once the last bucket is
         done, no buffer kept at all.
 

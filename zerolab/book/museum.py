@@ -123,7 +123,7 @@ def clip_exhibit() -> dict:
     engine = zl.ZeRO(model, SGD, stage=2)
     engine.backward(engine(ref.inputs(0, 0, r)).pow(2).mean())
     torch_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf))
-    local = float(torch.cat([g.reshape(-1) for g in engine._owned_grads() if g is not None]).norm())
+    local = float(torch.cat([g.reshape(-1) for g in engine.owned_grads() if g is not None]).norm())
     before = engine.comm.bytes(tag="grad_norm")
     norm = engine.clip_grad_norm_(0.1)
     sent = engine.comm.bytes(tag="grad_norm") - before

@@ -72,7 +72,7 @@ def check_same_checkpoint(engine, path, seen: tuple | None, problem: Exception |
     else:
         row = (f"{seen[0]} in {path}", zlib.crc32(seen[1].encode()))
     try:
-        compare_rows([row], engine.comm, engine._src, lambda i: "checkpoints")
+        compare_rows([row], engine.comm, engine.src_rank, lambda i: "checkpoints")
     except ValueError:
         g = group(engine)
         ranks = (torch.distributed.get_process_group_ranks(g) if g is not None

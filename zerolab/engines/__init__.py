@@ -16,10 +16,12 @@ Each engine is a small change of the one before it:
     offload/            ZeRO-Offload: any stage, masters and optimizer state in host memory
                         (optimizer); stage 3 with offload="disk": shards in files (disk, pager)
 
-and what they share: state (what an engine holds
-and reports), options (every option, checked once), setup (before training: the same model on
-every rank), param_groups (the script's optimizer, handed over), grad_guard (p.grad under ZeRO:
-this rank's piece of the averaged gradient).
+and what they share: state (what an engine holds and reports), lifecycle (the training state
+and its transitions), step (the step around the optimizer's own), options (every option, checked
+once), setup (before training: the same model on every rank), grad_guard (p.grad under ZeRO:
+this rank's piece of the averaged gradient), seams (the methods the labs have a student write:
+their protected API). The optimizer's half stands one floor down, in zerolab.optim; the runtime
+(the ledger, the recorder, the watchdog) in zerolab.runtime.
 
 The command line's --strategy, the benchmark and the chapters all build their engines here, so
 a name means the same engine everywhere; zl.ZeRO(stage=k) picks among the three ZeRO stages.

@@ -109,7 +109,7 @@ class Engine(Step, EngineState):
     broadcast_buffers = False   # data-parallel engines: True by default (engines.setup)
     norm_group = None           # the group whose shards make up the whole gradient once (None: all)
     _last_batch = None          # fp16: the last training forward's inputs, to diagnose a give-up
-    _src = 0                    # the rank whose weights and buffers every rank starts from
+    src_rank = 0                # the rank whose weights and buffers every rank starts from
     compiled = None             # torch.compile's wrapper of the model, which runs the forward
     mesh = None                 # ZeRO-R's Mesh (tensor-parallel models), if any
 
@@ -153,11 +153,11 @@ class Engine(Step, EngineState):
         parameters and buffers. SingleProcess: one process."""
         self._keep(join_data_parallel(type(self), model, optimizer, opts))
         self.broadcast_buffers = opts.training.broadcast_buffers
-        broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), self.comm, self._src)
+        broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), self.comm, self.src_rank)
 
     def _keep(self, group) -> None:
         """What join_data_parallel returned, as the engine's own attributes."""
-        self.comm, self.world_size, self.rank, self._src = group.comm, group.world_size, group.rank, group.src
+        self.comm, self.world_size, self.rank, self.src_rank = group.comm, group.world_size, group.rank, group.src
         self.mesh, self.precision = group.mesh, group.precision
         self.activation_checkpointing, self.track_activations = group.activation_checkpointing, \
             group.track_activations
@@ -213,7 +213,7 @@ class Engine(Step, EngineState):
         # costs a CPU rank more than a model without buffers should pay)
         buffers = self._buffers_list
         if buffers and self.world_size > 1:
-            broadcast_from_rank0(buffers, self.comm, self._src, tag="buffers")
+            broadcast_from_rank0(buffers, self.comm, self.src_rank, tag="buffers")
 
     def _watch_output(self, out, synced: bool) -> None:
         """Hook the forward's output: its gradient is the first thing any autograd pass through it
@@ -386,7 +386,7 @@ class Engine(Step, EngineState):
 
     def _held_grad_shards(self) -> list:
         """The reduced gradient shards, in _grad_layout's order (None: none since zero_grad)."""
-        return self._owned_grads()
+        return self.owned_grads()
 
     def _grad_zeroed(self, key) -> None:
         """p.grad.zero_() on a piece this engine handed out (Module.zero_grad(set_to_none=False))."""
@@ -473,11 +473,11 @@ class Engine(Step, EngineState):
         if max_norm is None or not self.life.backward_done:
             raise (ValueError("clip_grad_norm_: max_norm must be a number > 0") if max_norm is None else
                    RuntimeError("clip_grad_norm_() called before backward(): there is no gradient to clip"))
-        sq = squared_norm([g for g in self._owned_grads() if g is not None])
+        sq = squared_norm([g for g in self.owned_grads() if g is not None])
         total = global_norm(sq, self.comm if self.sharded else None, self.norm_group)
         self.life.clip_at_next_step(max_norm)
         return total / self.precision.scale    # (1 unless fp16 scales the loss)
 
-    def _owned_grads(self) -> list:
+    def owned_grads(self) -> list:
         """The gradients this rank holds for the tensors it updates (here: one per parameter)."""
         return [p.grad for p in self.params]

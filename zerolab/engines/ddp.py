@@ -246,14 +246,14 @@ class DDP(NaiveDDP):
         return unused
 
     # -------------------------------------------------------------- the step on flat tensors (Engine._step)
-    def _owned_grads(self) -> list:
+    def owned_grads(self) -> list:
         """Per bucket, the reduced gradient of the slice this rank updates (DDP: all of it)."""
         return [b.grad for b in self.buckets.buckets]
 
     def _step_grads(self) -> list:
         # one flat fp32 gradient per bucket (.float() is free in fp32): one check, scale and
         # norm per bucket instead of per parameter (padding and unused slots are zeros)
-        for m, g in zip(self.flat_masters, self._owned_grads()):
+        for m, g in zip(self.flat_masters, self.owned_grads()):
             m.grad = g.float()
         return [m.grad for m in self.flat_masters]
 

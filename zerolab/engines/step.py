@@ -272,11 +272,11 @@ class Step:
         holds it after PyTorch DDP's backward: so what reads the optimizer's gradients between
         backward and step (torch.amp.GradScaler's unscale_ under autocast, a script's own
         inspection) sees them. (bf16 / fp16 masters get fp32 gradients only inside the step.)"""
-        for m, g in zip(self._flat_masters(), self._owned_grads()):
+        for m, g in zip(self._flat_masters(), self.owned_grads()):
             m.grad = g
         self.views.point_grads(self._unused_params())
         self.life.grads_exposed()       # (the step then finds them in place: _hand_grads)
 
     def _flat_masters(self) -> list:
-        """The tensors the views are cut from, in the order of _owned_grads()."""
+        """The tensors the views are cut from, in the order of owned_grads()."""
         return self.masters

@@ -142,7 +142,7 @@ class ZeRO1(DDP):
         return params, self._grad_tensors(), optimizer   # (after backward p.grad holds a guard)
 
     # -------------------------------------------------------------- the step (Engine._step)
-    def _owned_grads(self) -> list:
+    def owned_grads(self) -> list:
         return [b.grad[s] for b, s in zip(self.buckets.buckets, self.shards)]
 
     def _publish(self):

@@ -115,7 +115,7 @@ class ZeRO2(ZeRO1):
         return held + [g for g in self.grad_shards + self._acc32 if g is not None]
 
     # -------------------------------------------------------------- the step
-    def _owned_grads(self) -> list:
+    def owned_grads(self) -> list:
         return [a if a is not None else g for a, g in zip(self._acc32, self.grad_shards)]
 
     def _release_grads(self):

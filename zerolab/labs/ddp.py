@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..engines import seams
 from ..engines.ddp import DDP       # the library's engine: its seams are the reference
 from .checks import PARITY, Piece, check_parity, fmt_bytes, per_step, piece_of_bucket, ring_factor
 from .engine_run import instrument, moved, record_run, stub
@@ -29,7 +30,7 @@ from .overlap import check_handle, check_overlap, defined_at, waited_where
 from .plugins import GradedCode
 from .model import BUCKET_MB, OPTIMIZER, SCHEDULE, LabNetWithSpare, build, loss_of, micro_batch
 
-SEAMS = ("_take", "_on_grad_ready", "_reduce", "_finish_backward")
+SEAMS = seams.of("DDP")
 PROTOCOL = "buckets reduced when full, in order, and waited for"
 SECTION = 'chapter 5, "The idea" (bucketed, overlapped) and "The code path"'
 

@@ -108,7 +108,7 @@ class WrongDtypeStops:
     slice)")."""
 
     def _expose_grads(self):
-        for i, (m, g) in enumerate(zip(self._flat_masters(), self._owned_grads())):
+        for i, (m, g) in enumerate(zip(self._flat_masters(), self.owned_grads())):
             if g is not None and g.dtype != m.dtype:
                 raise _dtype_stop(self.steps, self.rank, self._grad_label(i), g)
         super()._expose_grads()

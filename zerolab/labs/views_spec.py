@@ -5,7 +5,9 @@ steps the grader trains and where it looks, and two small helpers for messages.
 
 from __future__ import annotations
 
-SEAMS = ("_cut", "place", "point_grads", "pieces", "assemble", "shard")
+from ..engines import seams
+
+SEAMS = seams.of("ParamViews")
 VIEWS = "the views: one per parameter, this rank's part of it, in the script's groups"
 GRADS = "gradients: each view's .grad is its range of the flat gradient, None where skipped"
 SECTION = 'chapter 6, "What the optimizer is handed, and what its state dict holds"'

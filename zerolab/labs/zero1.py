@@ -16,6 +16,7 @@ masters' dtype the moment they are laid out.
 
 from __future__ import annotations
 
+from ..engines import seams
 from ..engines.zero1 import ZeRO1     # the library's engine: its seams are the reference
 from .checks import PARITY, adam_state_bytes, check_collectives, check_parity, fmt_bytes, per_step, piece_of_bucket
 from .engine_run import moved, record_run, stub
@@ -23,7 +24,7 @@ from .lab import Check, Lab, Stop, Wrong
 from .overlap import defined_at
 from .model import BUCKET_MB, OPTIMIZER, SCHEDULE, build
 
-SEAMS = ("_lay_out_masters", "_reduce", "_complete", "_publish")
+SEAMS = seams.of("ZeRO1")
 OWNERSHIP = "each rank owns slice r of every padded bucket"
 
 
@@ -95,7 +96,7 @@ def measure(plugin) -> dict:
                               engine.shards[b].start, engine.shards[b].stop) for b, bucket in enumerate(buckets)]
     # after backward, the whole of each bucket's gradient too: a result written at another slice's
     # offset is found there (checks.check_parity)
-    data = record_run(engine, pieces, held=lambda e: e._owned_grads(),
+    data = record_run(engine, pieces, held=lambda e: e.owned_grads(),
                       weights=lambda e: [bucket.data for bucket in buckets],
                       after_backward=lambda e, step: {"full": [b.grad.detach().float().clone() for b in buckets]},
                       after_step=lambda e, step: {"memory": e.memory_report()})

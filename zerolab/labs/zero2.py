@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from ..engines import seams
 from ..engines.zero2 import ZeRO2     # the library's engine: its seams are the reference
 from .checks import PARITY, check_collectives, check_parity, fmt_bytes, per_step, piece_of_bucket
 from .engine_run import WrongDtypeStops, instrument, moved, record_run, stub
@@ -29,7 +30,7 @@ from .overlap import check_handle, check_overlap, where
 from .plugins import GradedCode
 from .model import BUCKET_MB, OPTIMIZER, SCHEDULE, build, loss_of, micro_batch
 
-SEAMS = ("_take", "_reduce", "_complete")
+SEAMS = seams.of("ZeRO2")
 POOL = "buffers: padded, and reused only once their reduce-scatter is done"   # (and _reduce returns a handle)
 
 
@@ -53,7 +54,7 @@ class ZeRO2Lab(WrongDtypeStops, ZeRO2):
     self.comm                 the ledger (zerolab.runtime.comm.Ledger): reduce_scatter(out, in,
                               async_op=False, tag=""): a handle with .wait() if async_op, else None
 
-    The step reads self._owned_grads(): _acc32[b] if you made one, else grad_shards[b].
+    The step reads self.owned_grads(): _acc32[b] if you made one, else grad_shards[b].
     """
 
     # -------------------------------------------------------------- the grader's instruments
@@ -125,7 +126,7 @@ def measure(plugin) -> dict:
 
     pieces = [piece_of_bucket(f"bucket {b} (rank {engine.rank}'s slice)", bucket, names,
                               engine.shards[b].start, engine.shards[b].stop) for b, bucket in enumerate(buckets)]
-    data = record_run(engine, pieces, held=lambda e: e._owned_grads(),
+    data = record_run(engine, pieces, held=lambda e: e.owned_grads(),
                       weights=lambda e: [bucket.data for bucket in buckets], after_backward=trace)
     data["buckets"] = [piece_of_bucket(f"bucket {b}", bucket, names) for b, bucket in enumerate(buckets)]
     data["accumulated"] = _bf16_accumulation(plugin)
@@ -137,7 +138,7 @@ def _bf16_accumulation(plugin) -> list:
     engine = plugin["engine"](build(), OPTIMIZER, bucket_mb=BUCKET_MB, precision="bf16")
     for m in range(2):
         engine.backward(loss_of(engine, micro_batch(1, m, dist.get_rank(), dist.get_world_size()), 2))
-    return [str(g.dtype).replace("torch.", "") for g in engine._owned_grads()]
+    return [str(g.dtype).replace("torch.", "") for g in engine.owned_grads()]
 
 
 # ------------------------------------------------------------------ the checks, in the parent

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 # the library's code: its seams are the reference
+from ..engines import seams
 from ..engines.zero3 import units as library_units
 from ..engines.zero3.unit_state import GradState
 from ..engines.zero3.units import Unit
@@ -40,8 +41,8 @@ from .model import OPTIMIZER, SCHEDULE, build
 from .overlap import blocked, defined_at, overlapped, where
 from .plugins import GradedCode
 
-UNIT_SEAMS = ("gather", "wait", "release", "reduce_scatter", "finish_reduce")
-ENGINE_SEAMS = ("_prefetch_after",)
+UNIT_SEAMS = seams.of("Unit")
+ENGINE_SEAMS = seams.of("UnitSchedule")
 LIFECYCLE = "a unit is used only once gathered, and freed only once its gather is done"
 PREFETCH_SECTION = 'chapter 8, "Prefetch: hide the gathers behind compute"'
 BYTES = "bytes per step: 3 Psi"

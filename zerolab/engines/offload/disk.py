@@ -373,12 +373,12 @@ class ZeRO3Disk(OptimizerOffload, ZeRO3):
                 self.pager.adopt(state, v)
                 self.pager.out(state, v)
 
-    def _owned_grads(self) -> list:
+    def owned_grads(self) -> list:
         # engine.clip_grad_norm_() reads every gradient shard: they come back into memory
         for u in self._trained():
             if u.grad_shard is not None:
                 self.pager.wait(u.key("grad"))
-        return super()._owned_grads()
+        return super().owned_grads()
 
     def _publish(self):
         # after a load wrote the masters: new parameter shards, to their files

@@ -226,7 +226,7 @@ class OptimizerOffload:
         shard's persistent buffers (_make_host_buffers): a low-precision gradient lands in the
         staging buffer and is cast from it into grad32 on all the host's cores; an fp32 one lands
         in grad32 itself. ZeRO-3's unit that no backward reached sends nothing: zeros."""
-        for i, (m, g) in enumerate(zip(self.masters, self._owned_grads())):
+        for i, (m, g) in enumerate(zip(self.masters, self.owned_grads())):
             grad32 = self._grad32[i]
             if g is None:
                 grad32.zero_()          # (the buffer still holds the last step's gradient)
@@ -242,7 +242,7 @@ class OptimizerOffload:
         """The finite check (bf16, fp32: one sum per shard, or the sums the engine took during
         backward) reads the DEVICE's gradient shards, the same values as the host's copies: a GPU
         sums its own memory in microseconds, and the host's cores are left to the update."""
-        return super()._grad_sums([g for g in self._owned_grads() if g is not None])
+        return super()._grad_sums([g for g in self.owned_grads() if g is not None])
 
     def _upload(self, dev, master):
         """The updated fp32 master shard goes up, cast to the compute dtype. The cast is the

@@ -197,7 +197,7 @@ class ZeRO3(UnitSchedule, Engine):
         self.units = []
         for i, ((name, module), params) in enumerate(zip(specs, groups)):
             u = self.unit_class(i, name, module, params, self.comm, self._event, self.route)
-            u.materialize(self.model, refs, init_fn, self.route.shard_size, self.shard_rank, self._src,
+            u.materialize(self.model, refs, init_fn, self.route.shard_size, self.shard_rank, self.src_rank,
                           self.precision.compute_dtype, self.precision.policy.needs_master, replaced)
             self.units.append(u)
             self._unit_built(u)
@@ -206,7 +206,7 @@ class ZeRO3(UnitSchedule, Engine):
         if any(b.device.type == "meta" for b in bufs):
             raise ValueError("meta-device buffers are not supported: build buffers on the CPU")
         if bufs:
-            broadcast_from_rank0(bufs, self.comm, self._src)
+            broadcast_from_rank0(bufs, self.comm, self.src_rank)
 
     def _read_options(self, opts, model) -> None:
         """The engine's own checks of its options against the model (offload='disk': its directory)."""
@@ -260,7 +260,7 @@ class ZeRO3(UnitSchedule, Engine):
     def _trained(self) -> list:
         return [u for u in self.units if u.master is not None]
 
-    def _owned_grads(self) -> list:
+    def owned_grads(self) -> list:
         return [u.grad_shard for u in self._trained()]
 
     def _grad_layout(self) -> tuple:
@@ -276,7 +276,7 @@ class ZeRO3(UnitSchedule, Engine):
 
     def _step_grads(self) -> list:
         mixed = self.precision.policy.needs_master
-        for u, g in zip(self._trained(), self._owned_grads()):
+        for u, g in zip(self._trained(), self.owned_grads()):
             g = g if g is not None else torch.zeros_like(u.master)
             u.master.grad = g.float() if mixed else g
         return [u.master.grad for u in self._trained()]
