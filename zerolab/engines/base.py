@@ -189,6 +189,8 @@ class Engine(Step, EngineState):
         """The forward, called as the model is (keywords and nested inputs too: a Hugging Face
         model's input_ids=..., labels=...). Floating tensors are cast to the compute dtype."""
         training = torch.is_grad_enabled()
+        if training:
+            self._zero_grad_seen(disarm=False)
         sync_buffers, synced = self.life.forward(training)
         self._pass_open = False         # (an autograd pass that raised never closed)
         if sync_buffers and self.broadcast_buffers:
@@ -448,8 +450,9 @@ class Engine(Step, EngineState):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient. zerolab always frees them (set_to_none=False is accepted and
         does the same): the next backward writes fresh ones. engine.optimizer.zero_grad() comes
-        to this at the next backward or step (_zero_grad_seen), and so, under a sharded engine,
-        does model.zero_grad() (_take_back_guards)."""
+        to this before the engine next touches its gradients or reports its memory
+        (_zero_grad_seen), and so, under a sharded engine, does model.zero_grad()
+        (_take_back_guards)."""
         if self._watch is not None:
             self._watch.disarm()
         self._release_grads()

@@ -68,6 +68,7 @@ class EngineState:
         (those three), peak (allocated during the last step, above what it began with; None
         unless the engine was built with track_peak=True), activations (left alive by the last
         forward; None where the engine does not track them)."""
+        self._zero_grad_seen(disarm=False)     # (the script's zero_grad() freed what it held)
         params, grads, optimizer = self._memory_tensors()
         out = {"params": live_bytes(params), "grads": live_bytes(grads, exclude=params),
                "optimizer": live_bytes(optimizer, exclude=params + grads)}

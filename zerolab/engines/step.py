@@ -62,10 +62,13 @@ class Step:
         self._groups = len(self.optimizer.param_groups)
         self._watch = ZeroGradWatch(self.optimizer, self.model.parameters())
 
-    def _zero_grad_seen(self) -> None:
-        """Before a backward or a step: if the script's optimizer.zero_grad() ran since the engine
-        last looked, the gradients were zeroed: drop the engine's, as engine.zero_grad() does."""
-        if self._watch is not None and self._watch.disarm():
+    def _zero_grad_seen(self, disarm: bool = True) -> None:
+        """Before a forward, a backward, a step or a memory report: if the script's
+        optimizer.zero_grad() ran since the engine last looked, the gradients were zeroed: drop the
+        engine's, as engine.zero_grad() does. A backward or a step also takes the marks back."""
+        if self._watch is None:
+            return
+        if self._watch.disarm() if disarm else self._watch.seen():
             self.zero_grad()
 
     def _watch_zero_grad(self, marks: bool) -> None:

@@ -4,33 +4,47 @@ The optimizer an engine steps holds the engine's own tensors (each parameter's v
 master, or its fp32 master), and the gradients the engine keeps are elsewhere (flat buffers, the
 low-precision model's p.grad). torch's zero_grad() only sets its own tensors' .grad to None (or
 zeroes them in place, set_to_none=False), and PyTorch gives it no hook. So the engine leaves a
-mark where zero_grad() will find it: between a step (or a backward) and the next, each of its
-tensors in the optimizer carries a gradient, the real one where the engine exposes it, else a
-mark, a view of one shared zero that takes no memory (expand() of one element). Before the next
-backward or step the engine looks once: a mark or gradient gone (set_to_none) or the shared zero
-written (set_to_none=False) means zero_grad() ran, and the engine drops its own gradients as
-zero_grad() would have; then the marks go, so no step ever sees one.
+gradient where zero_grad() will find it: between a step and the next backward, each of its
+tensors in the optimizer carries a mark, a view of one shared zero that takes no memory (expand()
+of one element); between a backward and its step, the gradients the engine exposes (fp32: each
+view's gradient is the engine's own). Then:
 
-Marks are left after a step only. Between a backward and its step the engine watches just the
-gradients it exposes (fp32: each view's gradient is the engine's own): torch.amp.GradScaler's
-unscale_() writes into every gradient the optimizer holds, and would write into a mark too.
+* zero_grad() (set_to_none=True, the default) drops them: a finalizer on each notes it at once
+  (torch keeps a tensor's Python object alive exactly as long as .grad holds it);
+* zero_grad(set_to_none=False) writes the shared zero.
+
+The engine looks (seen) before it next touches its gradients or reports its memory (a forward, a
+backward, a step, memory_report), and then drops its own, as zero_grad() would have. (A finalizer
+runs while torch is still inside the .grad setter, so it only notes; the work waits for a look.)
+
+Before the engine itself changes what the optimizer's tensors hold (its step hands them
+gradients; a delayed update lands), it takes its marks back (disarm), so no step ever sees one.
+
+Marks are left after a step only. torch.amp.GradScaler's unscale_(), between a backward and its
+step, writes into every gradient the optimizer holds, and would write into a mark too.
 """
 
 from __future__ import annotations
+
+import contextlib
+import weakref
 
 import torch
 
 
 class ZeroGradWatch:
-    """The marks on one optimizer's tensors (see the module docstring). `model_params`: the
-    model's own parameters, whose .grad is the script's to read, so they are never marked."""
+    """The gradients an engine left on one optimizer's tensors (see the module docstring).
+
+    `model_params`: the model's own parameters, whose .grad is the script's to read, never marked."""
 
     def __init__(self, optimizer, model_params):
         self.optimizer = optimizer
         self.model_ids = {id(p) for p in model_params}
-        self.left = []                  # (tensor, what its .grad was when armed)
-        self.marks = False              # were marks left (after a step)?
+        self.left = []                  # (tensor, weak reference to the gradient left on it)
+        self.finalizers = []
         self.zeros = {}                 # (dtype, device) -> (the shared zero, its version when armed)
+        self.marks = False              # were marks left (after a step)?
+        self.heard = False              # a gradient left was dropped since arm()
 
     def _mark(self, t: torch.Tensor) -> torch.Tensor:
         key = (t.dtype, t.device)
@@ -51,18 +65,43 @@ class ZeroGradWatch:
                 if t.grad is None and marks:
                     t.grad = self._mark(t)
                 if t.grad is not None:
-                    self.left.append((t, t.grad))
+                    self.left.append((t, weakref.ref(t.grad)))
+                    self.finalizers.append(weakref.finalize(t.grad, self._dropped))
         self.zeros = {k: (zero, zero._version) for k, (zero, _) in self.zeros.items()}
 
+    def _dropped(self) -> None:
+        """A gradient the engine left is gone: the script's zero_grad() (or p.grad = None)."""
+        self.heard = True
+
+    def seen(self) -> bool:
+        """Did zero_grad() run since arm(): a gradient left dropped, or the shared zero written?"""
+        return self.heard or any(zero._version != seen for zero, seen in self.zeros.values())
+
     def disarm(self) -> bool:
-        """Take the marks back; True if zero_grad() ran since arm()."""
-        ran = any(t.grad is not g for t, g in self.left) or \
-            any(zero._version != seen for zero, seen in self.zeros.values())
+        """Take the marks back and stop watching; True if zero_grad() ran meanwhile."""
+        for f in self.finalizers:
+            f.detach()
+        self.finalizers = []
+        ran = self.seen()
+        self.heard = False
         for t, g in self.left:
-            if t.grad is not None and self._is_mark(t.grad):
+            if t.grad is not None and t.grad is g() and self._is_mark(t.grad):
                 t.grad = None
         self.left = []
+        self.zeros = {k: (zero, zero._version) for k, (zero, _) in self.zeros.items()}
         return ran
+
+    @contextlib.contextmanager
+    def engine_drops(self):
+        """The engine itself drops what the optimizer's tensors hold (outside a step): not the
+        script's zero_grad(); the watch goes on afterwards as it was."""
+        armed, marks = bool(self.finalizers), self.marks
+        self.disarm()
+        try:
+            yield
+        finally:
+            if armed:
+                self.arm(marks)
 
     def _is_mark(self, g: torch.Tensor) -> bool:
         entry = self.zeros.get((g.dtype, g.device))

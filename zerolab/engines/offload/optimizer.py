@@ -317,7 +317,11 @@ class OptimizerOffload:
             raise box[0]
         update.land()
         self._publish()
-        self._drop_step_grads()
+        if self._watch is not None:     # (the engine's own drop, not the script's zero_grad())
+            with self._watch.engine_drops():
+                self._drop_step_grads()
+        else:
+            self._drop_step_grads()
 
     def full_state_dict(self) -> dict:
         self.finish_update()
