@@ -7,7 +7,8 @@ The matrix: the TinyMLP and the nano GPT, fp32 and bf16 (fp32 masters), AdamW an
 momentum, C = 8 chunks of the global batch (K = 8, 4, 2, 1 backwards per step on 1, 2, 4, 8
 ranks: gradient accumulation as nanoGPT writes it, loss / K), a clip that binds. Both loops:
 PyTorch's (loss.backward(), optimizer.step(), optimizer.zero_grad()) and zerolab's
-(engine.backward, engine.clip_grad_norm_, engine.step, engine.zero_grad).
+(engine.backward with nanoGPT's require_backward_grad_sync, engine.clip_grad_norm_, engine.step,
+engine.zero_grad).
 
 And: the default mode on the same loop is NOT the same bits across N (the test can fail); a
 planted break (the chunks added one after the other instead of in the tree) fails it; every
@@ -78,6 +79,8 @@ def engine_run(case, engine_name, bitwise=True, zerolab_loop=False):
     for step in range(STEPS):
         batch = data.global_batch(step, rows)
         for k in range(K):
+            if zerolab_loop:            # nanoGPT's switch: accepted, and every backward is a chunk all the same
+                engine.require_backward_grad_sync = k == K - 1
             loss = loss_fn(engine, chunk_of(batch, r * K + k, rows))[1] / K
             engine.backward(loss) if zerolab_loop else loss.backward()
         if zerolab_loop:

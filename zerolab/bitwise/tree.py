@@ -78,10 +78,11 @@ class TreeAccumulator:
     def result(self) -> torch.Tensor:
         """The root: the tree sum of all `count` leaves (count=None: of the leaves added, which
         must be a power of two of them)."""
-        count = self.added if self.count is None else self.count
-        if self.added != count or not is_power_of_two(count):
-            raise RuntimeError(f"TreeAccumulator: {self.added} leaves added, "
-                               f"{'not a power of two' if self.count is None else f'of {count}'}; the tree "
+        if self.count is None and not is_power_of_two(self.added):
+            raise RuntimeError(f"TreeAccumulator: {self.added} leaves added, not a power of two: they "
+                               f"are not one perfect binary tree")
+        if self.count is not None and self.added != self.count:
+            raise RuntimeError(f"TreeAccumulator: {self.added} of {self.count} leaves added; the tree "
                                f"is incomplete (every rank must feed all of its chunks before the step)")
         return self._stack[0][1]
 
