@@ -39,6 +39,11 @@ same cores, they matter):
   over every parameter instead of one per parameter and operation.
 
 Each rank sends 2 (N-1)/N of the gradient bytes per step: the paper's "2 Psi".
+
+bitwise=True (engines.options.BITWISE) changes two moments and nothing else: the end of each
+backward adds the buckets' gradients into the chunks' trees instead of reducing them
+(_add_chunk), and the step's gradients are the trees' sums across ranks (_chunk_sum: ZeRO-1 and
+ZeRO-2 take their shard of them); the hooks only fill the buckets.
 """
 
 from __future__ import annotations
