@@ -5,7 +5,8 @@ standalone reference trainer) on the same chunks. No tolerance anywhere.
 
 The matrix: the TinyMLP and the nano GPT, fp32 and bf16 (fp32 masters), AdamW and SGD with
 momentum, C = 8 chunks of the global batch (K = 8, 4, 2, 1 backwards per step on 1, 2, 4, 8
-ranks: gradient accumulation as nanoGPT writes it, loss / K), a clip that binds. Both loops:
+ranks: gradient accumulation as nanoGPT writes it, loss / K), a clip that binds, one bucket
+(and, for the MLP, four: the norm adds bucket by bucket, each padded to N * 256). Both loops:
 PyTorch's (loss.backward(), optimizer.step(), optimizer.zero_grad()) and zerolab's
 (engine.backward with nanoGPT's require_backward_grad_sync, engine.clip_grad_norm_, engine.step,
 engine.zero_grad).
@@ -67,14 +68,14 @@ def chunk_of(batch, c, rows):
 # ------------------------------------------------------------------ on each rank
 
 
-def engine_run(case, engine_name, bitwise=True, zerolab_loop=False):
+def engine_run(case, engine_name, bitwise=True, zerolab_loop=False, **options):
     """STEPS steps of `case` on `engine_name`; rank r's k-th backward is chunk r*K + k.
     Returns (trainable weights by name, optimizer state by parameter index, grad norms)."""
     n, r = zl.world_size(), zl.rank()
     model, data, loss_fn, rows = build(case.kind, 0 if r == 0 else 100 + r)   # rank 0's are broadcast
     K = CHUNKS // n
     engine = make(engine_name, model, case.optimizer, precision=case.precision, bitwise=bitwise,
-                  **({} if zerolab_loop else {"max_grad_norm": CLIP[case.kind]}))
+                  **({} if zerolab_loop else {"max_grad_norm": CLIP[case.kind]}), **options)
     norms = []
     for step in range(STEPS):
         batch = data.global_batch(step, rows)
@@ -116,6 +117,9 @@ def matrix_worker(cases, engines, with_single):
             out[case.name, name] = engine_run(case, name)
             out[case.name, name, "zerolab loop"] = engine_run(case, name, zerolab_loop=True) \
                 if case.optimizer is ADAMW else None
+            # four buckets of the MLP (bucket_mb: ~130 fp32 elements): the norm adds bucket by bucket
+            out[case.name, name, "buckets"] = engine_run(case, name, bucket_mb=0.0005) \
+                if case.kind == "mlp" else None
         if with_single:
             out[case.name, "reference"] = reference_run(case)
     return out
@@ -207,6 +211,10 @@ def test_every_engine_at_every_world_size_is_one_process(runs, case, engine, n):
     if loop is not None:        # engine.backward / clip_grad_norm_ / step / zero_grad
         weights1, state1, norms1 = runs[1][case.name, "single", "zerolab loop"]
         assert same_weights(loop[0], weights1) and same_state(loop[1], state1) and loop[2] == norms1
+    many = runs[n][case.name, engine, "buckets"]
+    if many is not None:        # several buckets, each padded to N * 256
+        weights1, state1, norms1 = runs[1][case.name, "single", "buckets"]
+        assert same_weights(many[0], weights1) and same_state(many[1], state1) and many[2] == norms1
 
 
 @pytest.mark.slow
