@@ -60,7 +60,7 @@ class Piece(NamedTuple):
 class Bucket:
     """A group of parameters that live in one flat buffer (and their gradients in another)."""
 
-    def __init__(self, index: int, params, world_size: int):
+    def __init__(self, index: int, params, world_size: int, quantum: int | None = None):
         self.index = index
         self.params = list(params)
         self.world_size = world_size
@@ -71,7 +71,12 @@ class Bucket:
             self.offsets.append(total)
             total += n
         self.numel = total                                         # real elements
-        self.padded_numel = -(-total // world_size) * world_size   # a multiple of N
+        # a multiple of N; `quantum` (a multiple of N) pads further: the bitwise mode's N * block,
+        # so that every shard holds whole blocks of its fixed-order norm (zerolab.bitwise.buckets)
+        q = world_size if quantum is None else quantum
+        if q % world_size:
+            raise ValueError(f"Bucket: quantum ({q}) must be a multiple of the world size ({world_size})")
+        self.padded_numel = -(-total // q) * q
         self.data: torch.Tensor | None = None
         self.grad: torch.Tensor | None = None
         self._grad_views: list = []
@@ -155,10 +160,11 @@ class FlatBuckets:
     A parameter larger than bucket_bytes gets a bucket of its own. The split depends only
     on the parameters' sizes and dtype, so every rank builds the same buckets. `order`, if
     given, reorders the parameters inside each bucket (the engines put each optimizer
-    parameter group in one contiguous range: zerolab.optim.param_groups).
+    parameter group in one contiguous range: zerolab.optim.param_groups). `quantum`, if given,
+    pads each bucket to a multiple of it instead of N (the bitwise mode: N * its norm block).
     """
 
-    def __init__(self, params, bucket_bytes: float, world_size: int, order=None):
+    def __init__(self, params, bucket_bytes: float, world_size: int, order=None, quantum: int | None = None):
         params = list(params)
         if not params:
             raise ValueError("FlatBuckets: no parameters to put in buckets")
@@ -176,7 +182,7 @@ class FlatBuckets:
         if order is not None:
             groups = [list(order(g)) for g in groups]
         self.world_size = world_size
-        self.buckets = [Bucket(i, g, world_size) for i, g in enumerate(groups)]
+        self.buckets = [Bucket(i, g, world_size, quantum) for i, g in enumerate(groups)]
         self.where = {p: (b.index, i) for b in self.buckets for i, p in enumerate(b.params)}
 
     @property

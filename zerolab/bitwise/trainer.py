@@ -70,11 +70,14 @@ class BitwiseDataParallel:
     shard_optimizer: False keeps the whole fp32 vector and optimizer state on every rank (DDP);
     True keeps only this rank's shard of them (ZeRO-1/2 style), and gathers the weights after
     the step. Either way the weights are the same bits.
+    params: the trainable parameters in the flat vector's order (default: the model's order);
+    the order of the norm's blocks follows it (the engines' bitwise mode lays its buckets out in
+    the reverse of the model's order: pass that order to compare a clipped run with one bucket).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer, loss_fn, plan: ChunkPlan, *, precision: str = "fp32",
                  max_grad_norm: float | None = None, shard_optimizer: bool = False, block: int = NORM_BLOCK,
-                 ledger: Ledger | None = None):
+                 ledger: Ledger | None = None, params=None):
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         if plan.world_size != self.world_size:
@@ -91,7 +94,8 @@ class BitwiseDataParallel:
         with torch.no_grad():       # every rank starts from rank 0's model: frozen weights and buffers too
             for t in [*model.parameters(), *model.buffers()]:
                 self.comm.broadcast(t.data, src=0, tag="bitwise:setup")     # a copy: no arithmetic
-        self.layout = FlatLayout(trainable_parameters(model), self.world_size, block)
+        params = trainable_parameters(model) if params is None else list(params)
+        self.layout = FlatLayout(params, self.world_size, block)
         master = self.layout.flatten([p.detach() for p in self.layout.params])
         model.to(self.policy.compute_dtype)
         self.layout.write_into_params(master)

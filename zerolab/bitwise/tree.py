@@ -52,10 +52,12 @@ class TreeAccumulator:
 
     Like a binary counter: a new leaf is merged with the subtree on top of the stack while that
     subtree has the same size, so a node is formed as soon as both its children exist.
+    count=None leaves the number open until result() (the engines' bitwise mode: a rank learns
+    how many backwards a step had only at the step); a power of two of them is one tree.
     """
 
-    def __init__(self, count: int):
-        if not is_power_of_two(count):
+    def __init__(self, count: int | None = None):
+        if count is not None and not is_power_of_two(count):
             raise ValueError(f"TreeAccumulator: count must be a power of two, got {count!r}")
         self.count = count
         self.added = 0
@@ -74,8 +76,12 @@ class TreeAccumulator:
         self.added += 1
 
     def result(self) -> torch.Tensor:
-        """The root: the tree sum of all `count` leaves."""
-        if self.added != self.count:
+        """The root: the tree sum of all `count` leaves (count=None: of the leaves added, which
+        must be a power of two of them)."""
+        if self.count is None and not is_power_of_two(self.added):
+            raise RuntimeError(f"TreeAccumulator: {self.added} leaves added, not a power of two: they "
+                               f"are not one perfect binary tree")
+        if self.count is not None and self.added != self.count:
             raise RuntimeError(f"TreeAccumulator: {self.added} of {self.count} leaves added; the tree "
                                f"is incomplete (every rank must feed all of its chunks before the step)")
         return self._stack[0][1]

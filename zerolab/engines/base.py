@@ -112,6 +112,8 @@ class Engine(Step, EngineState):
     src_rank = 0                # the rank whose weights and buffers every rank starts from
     compiled = None             # torch.compile's wrapper of the model, which runs the forward
     mesh = None                 # ZeRO-R's Mesh (tensor-parallel models), if any
+    bitwise = False             # bitwise=True: the same bits at any world size (engines.options.BITWISE)
+    takes_bitwise = False       # does this engine have the bitwise mode? (others refuse it by name)
 
     def __init__(self, model: torch.nn.Module, optimizer=None, **keywords):
         """model: any nn.Module (compiled first or not); optimizer: a torch optimizer built on
@@ -120,16 +122,23 @@ class Engine(Step, EngineState):
         order); keywords: the options this engine takes (`takes`; engines.options says each)."""
         opts = EngineOptions.parse(type(self).__name__, self.takes, keywords, getattr(self, "stage", None))
         self.options = opts
+        self.bitwise = opts.training.bitwise
+        if self.bitwise and not self.takes_bitwise:
+            raise ValueError(f"bitwise=True is not available on {type(self).__name__}: use zl.DDP, "
+                             "zl.ZeRO(stage=1 | 2) or zl.SingleProcess")
         self._read_options(opts, model)
         model, self.compiled = compiled_parts(model)
         self._join(model, optimizer, opts)
+        if self.bitwise:
+            self._check_bitwise_world()
         t = opts.training
         self.model, self.max_grad_norm, self.track_peak = model, t.max_grad_norm, t.track_peak
         self.steps, self.last_peak, self.last_grad_norm, self.last_activations = 0, 0, None, None
         self.last_backward = {}
+        # bitwise: every backward is a chunk, added into the engine's trees (no_sync changes nothing)
         self.life = Lifecycle(type(self).__name__, self.world_size,
-                              accumulates_after_reduce=self.accumulates_after_reduce,
-                              reduces_in_no_sync=self.reduces_in_no_sync,
+                              accumulates_after_reduce=self.accumulates_after_reduce or self.bitwise,
+                              reduces_in_no_sync=self.reduces_in_no_sync or self.bitwise,
                               loss_scaling=self.precision.scaler is not None)
         # the optimizer sees the model's parameters, so its parameter groups can tell them apart
         state = None
@@ -161,6 +170,16 @@ class Engine(Step, EngineState):
         self.mesh, self.precision = group.mesh, group.precision
         self.activation_checkpointing, self.track_activations = group.activation_checkpointing, \
             group.track_activations
+
+    def _check_bitwise_world(self) -> None:
+        """bitwise=True: N a power of two, and the same intra-op threads on every rank."""
+        from ..bitwise.buckets import check_same_threads
+        from ..bitwise.chunks import is_power_of_two
+        if not is_power_of_two(self.world_size):
+            raise ValueError(f"bitwise=True needs a power-of-two number of ranks (1, 2, 4, 8, ...), got "
+                             f"{self.world_size}: each rank's chunks must be one subtree of the fixed tree")
+        if self.world_size > 1:
+            check_same_threads(self.comm)
 
     def _lay_out(self, model) -> None:
         """The engine's storage: the parameters it trains, in its order, and their masters."""
@@ -345,10 +364,11 @@ class Engine(Step, EngineState):
         if reducing:
             self._finish_backward()
         self.last_backward["end"] = self.comm.now()
-        if self.sharded and reducing:   # what this rank updates with is a piece of each gradient
+        chunk = self.bitwise            # (bitwise: the backward's gradient went into the trees)
+        if self.sharded and reducing and not chunk:   # what this rank updates with is a piece of each gradient
             self._hand_out_grads()
             self.life.pieces_handed()
-        if reducing and self.views is not None and not self.precision.policy.needs_master:
+        if reducing and not chunk and self.views is not None and not self.precision.policy.needs_master:
             self._expose_grads()
         self.life.backward_ended()
         self._watch_zero_grad(marks=False)
@@ -476,10 +496,20 @@ class Engine(Step, EngineState):
         if max_norm is None or not self.life.backward_done:
             raise (ValueError("clip_grad_norm_: max_norm must be a number > 0") if max_norm is None else
                    RuntimeError("clip_grad_norm_() called before backward(): there is no gradient to clip"))
+        if self.bitwise:            # the chunks' sum now (the step reuses it), its fixed-order norm
+            from ..bitwise.buckets import squared_norm as fixed_order_norm
+            total = float(fixed_order_norm(self._chunk_sum(), self.comm, self.sharded).sqrt())
+            self.life.clip_at_next_step(max_norm)
+            return total
         sq = squared_norm([g for g in self.owned_grads() if g is not None])
         total = global_norm(sq, self.comm if self.sharded else None, self.norm_group)
         self.life.clip_at_next_step(max_norm)
         return total / self.precision.scale    # (1 unless fp16 scales the loss)
+
+    def _chunk_sum(self) -> list:
+        """bitwise=True: the step's fp32 gradient per bucket (whole, or this rank's shard), the
+        chunks added in the fixed tree and divided by N; computed once per step."""
+        raise NotImplementedError
 
     def owned_grads(self) -> list:
         """The gradients this rank holds for the tensors it updates (here: one per parameter)."""

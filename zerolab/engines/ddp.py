@@ -39,12 +39,18 @@ same cores, they matter):
   over every parameter instead of one per parameter and operation.
 
 Each rank sends 2 (N-1)/N of the gradient bytes per step: the paper's "2 Psi".
+
+bitwise=True (engines.options.BITWISE) changes two moments and nothing else: the end of each
+backward adds the buckets' gradients into the chunks' trees instead of reducing them
+(_add_chunk), and the step's gradients are the trees' sums across ranks (_chunk_sum: ZeRO-1 and
+ZeRO-2 take their shard of them); the hooks only fill the buckets.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..bitwise import buckets as bitwise_buckets
 from ..buckets import FlatBuckets
 from ..precision import cast_for_compute
 from . import options
@@ -71,6 +77,7 @@ class DDP(NaiveDDP):
     reduces_in_no_sync = False  # inside no_sync gradients only accumulate (ZeRO-2 differs)
 
     takes = options.BUCKETED    # NaiveDDP's options, and bucket_mb, overlap
+    takes_bitwise = True        # bitwise=True: the chunks' fixed tree (engines.options.BITWISE)
 
     def _read_options(self, opts, model) -> None:
         self.bucket_mb = float(opts.layout.bucket_mb)
@@ -82,7 +89,11 @@ class DDP(NaiveDDP):
         # bucket sizes count bytes in the dtype that is communicated (the compute dtype)
         elem = torch.empty((), dtype=self.precision.compute_dtype).element_size()
         scale = elem / self.params[0].element_size()
-        self.buckets = FlatBuckets(self.params, self.bucket_mb * 2**20 / scale, self.world_size)
+        # (bitwise: padded to N * the norm's block, so every shard holds whole blocks)
+        self.buckets = FlatBuckets(self.params, self.bucket_mb * 2**20 / scale, self.world_size,
+                                   quantum=bitwise_buckets.quantum(self.world_size) if self.bitwise else None)
+        if self.bitwise:
+            self._trees, self._summed = bitwise_buckets.ChunkTrees(len(self.buckets)), None
         self.device = self.params[0].device
         self._lay_out_masters()
         self.params = self.buckets.params     # the buckets' order: position k below
@@ -152,6 +163,10 @@ class DDP(NaiveDDP):
         # The hot path: it runs once per parameter per backward, so it does as little as it can
         # (plain attributes and lists indexed by position: a CPU rank pays for every Python step).
         b, i, k = self._slot[id(p)]
+        if self.bitwise:             # a chunk: into its bucket; nothing travels until the step
+            self._take_whole(p, b, i, k)
+            self._reached[k] = True
+            return
         reducing = self.life.reducing
         if reducing and b < self._next and self._counted[k]:
             raise RuntimeError(_LATE.format(shape=tuple(p.shape)))
@@ -181,6 +196,10 @@ class DDP(NaiveDDP):
             # the view, so later micro-batches accumulate in the bucket directly.
             view.copy_(p.grad)
             p.grad = view
+
+    def _take_whole(self, p, b, i, k):
+        """bitwise: p's gradient into its slot of bucket b's full gradient buffer."""
+        DDP._take(self, p, b, i, k)
 
     def _launch(self, b):
         self._pending.append((b, self._reduce(b)))
@@ -220,6 +239,8 @@ class DDP(NaiveDDP):
 
     def _finish_backward(self):
         self.last_backward["compute_end"] = self.comm.now()   # autograd has no work left
+        if self.bitwise:
+            return self._add_chunk()
         # Buckets with a parameter the backward never reached are still waiting: launch them
         # now, in order. Their missing gradients are zeros (or what no_sync accumulated).
         while self._next < len(self.buckets.buckets):
@@ -245,6 +266,34 @@ class DDP(NaiveDDP):
                 p.grad = self._grad_views[k]
         return unused
 
+    # -------------------------------------------------------------- bitwise=True (engines.options.BITWISE)
+    def _add_chunk(self):
+        """The end of a backward: its gradient, bucket by bucket in fp32, is this rank's next leaf
+        of each bucket's tree; p.grad is freed, so the next chunk starts from nothing."""
+        leaves = []
+        for bucket in self.buckets.buckets:
+            grad = bucket.grad
+            if grad is None:          # (ZeRO-1/2: no parameter of this bucket was reached yet)
+                leaves.append(torch.zeros(bucket.padded_numel, dtype=torch.float32, device=self.device))
+                continue
+            leaf = grad[:bucket.padded_numel].to(torch.float32, copy=True)
+            for i, p in enumerate(bucket.params):     # a slot this backward did not write: zeros
+                if p.grad is not bucket.grad_view(i):
+                    leaf[bucket.offsets[i]:bucket.offsets[i] + bucket.sizes[i]].zero_()
+            leaves.append(leaf)
+        self._trees.add(leaves)
+        for p in self.params:
+            p.grad = None
+
+    def _chunk_sum(self) -> list:
+        if self._summed is None:
+            self._unused = bitwise_buckets.agree_backwards(self._trees.backwards, self._reached, self.comm,
+                                                           self.world_size)
+            self._summed = bitwise_buckets.reduce_buckets(self._trees.roots(), self.comm, self.world_size,
+                                                          self.sharded)
+            self._reached = [False] * len(self.params)
+        return self._summed
+
     # -------------------------------------------------------------- the step on flat tensors (Engine._step)
     def owned_grads(self) -> list:
         """Per bucket, the reduced gradient of the slice this rank updates (DDP: all of it)."""
@@ -253,6 +302,10 @@ class DDP(NaiveDDP):
     def _step_grads(self) -> list:
         # one flat fp32 gradient per bucket (.float() is free in fp32): one check, scale and
         # norm per bucket instead of per parameter (padding and unused slots are zeros)
+        if self.bitwise:
+            for m, g in zip(self.flat_masters, self._chunk_sum()):
+                m.grad = g
+            return [m.grad for m in self.flat_masters]
         for m, g in zip(self.flat_masters, self.owned_grads()):
             m.grad = g.float()
         return [m.grad for m in self.flat_masters]
@@ -279,6 +332,8 @@ class DDP(NaiveDDP):
         for m in self.flat_masters:
             m.grad = None
         self._bucket_sums = []
+        if self.bitwise:
+            self._summed = None
 
     def _release_grads(self):
         # gradients to None (PyTorch's set_to_none): the buckets keep their memory, and the
@@ -289,6 +344,9 @@ class DDP(NaiveDDP):
         # one process, forgotten zero_grad or not: the step holds it still)
         self._reached = [False] * len(self.params)
         self._unused = set()
+        if self.bitwise:              # the chunks added so far go too
+            self._trees.reset()
+            self._summed = None
 
     # -------------------------------------------------------------- state (memory_report,
     # full_state_dict: Engine's, whose masters here are views into the flat tensors)

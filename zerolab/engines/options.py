@@ -5,7 +5,8 @@
 The engines take their options as keywords (the names below are the public API). Each keyword
 belongs to one family, a small frozen dataclass that checks its own values:
 
-    Training   precision, scaler, max_grad_norm, track_peak, track_activations, broadcast_buffers
+    Training   precision, scaler, max_grad_norm, track_peak, track_activations, broadcast_buffers,
+               bitwise
     Layout     bucket_mb, overlap (DDP, ZeRO-1/2), prefetch, units, init_fn (ZeRO-3)
     Residual   mesh, checkpoint_activations, partition_activations, offload_activations (ZeRO-R, chapter 9)
     ZeroPP     topology, quantize_weights, secondary_partition, quantize_gradients, shard_group (chapter 12)
@@ -50,13 +51,58 @@ class Training:
     #   operation of the step, which costs milliseconds per step on a CPU (memory_report()'s peak)
     track_activations: bool | None = None   # measure what each forward leaves (None: with ZeRO-R)
     broadcast_buffers: bool = True      # rank 0's buffers at the forward after a training forward
+    bitwise: bool = False               # the same weights, bit for bit, at any world size (below)
 
     def __post_init__(self):
         check_precision(self.precision)
         check_max_grad_norm(self.max_grad_norm)
+        _flag("bitwise", self.bitwise)
+        if self.bitwise and self.precision == "fp16":
+            raise ValueError("bitwise=True with precision='fp16' is not supported: the loss scale skips "
+                             "steps by overflow and rescales the gradients. Use 'fp32' or 'bf16' (bf16 "
+                             "compute with fp32 masters).")
         if self.track_activations is not None and not isinstance(self.track_activations, bool):
             raise TypeError(f"track_activations must be None (automatic), True or False, got "
                             f"{self.track_activations!r}")
+
+
+BITWISE = """bitwise=True: the same weights and optimizer state, bit for bit (torch.equal), on 1, 2, 4
+or 8 ranks and on every engine that takes it (zl.SingleProcess, zl.DDP, zl.ZeRO(stage=1 | 2)),
+on one machine, torch and kernel set (zerolab.bitwise says why each order is fixed).
+
+The contract:
+* each backward is one CHUNK of the global batch (a micro-batch), and the backwards a rank runs
+  between two steps are its chunks in order: rank r's k-th backward is global chunk r*K + k (K
+  backwards per step on every rank, the same K on every rank, a power of two; N a power of two;
+  C = N*K chunks, the same C at every N). This is gradient accumulation as nanoGPT writes it:
+  grad_accum_steps //= world_size, loss = chunk_mean_loss / grad_accum_steps, and the data gives
+  rank r its contiguous rows. The engine divides the sum by N, so the step's gradient is
+  (1/C) * the fixed-tree sum of the chunks' mean gradients (K and N powers of two: exact);
+* nothing is reduced during backward: at the end of each backward the engine adds each bucket's
+  gradient (cast to fp32) into its tree (zerolab.bitwise.buckets.ChunkTrees) and frees p.grad
+  for the next chunk (so p.grad is None between backward and step, and the overlap= option has
+  nothing to overlap); no_sync() and require_backward_grad_sync are accepted and change
+  nothing (every backward is a chunk);
+* at the step (or at engine.clip_grad_norm_, whichever comes first) the ranks agree on K (one
+  small all-reduce: unequal or not a power of two is refused by name on every rank), then each
+  bucket goes up the fixed tree across ranks (DDP: tree_all_reduce; ZeRO-1/2: tree_reduce_scatter
+  into this rank's shard: ZeRO-2 keeps full gradient buckets during backward in this mode, as
+  ZeRO-1 does), divided by N;
+* buckets are padded to a multiple of N * 256 elements (the norm's block) and follow the
+  parameters' sizes, never N; clipping (max_grad_norm=, engine.clip_grad_norm_) takes the
+  fixed-order block norm bucket by bucket in bucket order (zerolab.bitwise.buckets.squared_norm)
+  and min(1, max_norm / (norm + 1e-6)) (zerolab.bitwise.norm.clip_coefficient).
+  torch.nn.utils.clip_grad_norm_(model.parameters()) sees no gradient in this mode (p.grad is
+  None between backward and step): use max_grad_norm= or engine.clip_grad_norm_;
+* the optimizer: SGD, Adam or AdamW (elementwise updates), stepped with torch's single-tensor
+  kernels on every engine (its groups' foreach is set to False; foreach=True or fused=True is
+  refused), so a parameter, a view of a flat buffer or a shard's piece gets the same arithmetic;
+* precision 'fp32', or 'bf16' (bf16 compute, fp32 masters and fp32 sums); fp16 is refused;
+* refused by name too: a world size that is not a power of two, ranks with different numbers of
+  intra-op threads, NaiveDDP, ZeRO-3 (not yet), offload, a mesh (tensor parallelism).
+zl.SingleProcess(bitwise=True) lays its gradients out in the same buckets (bucket_mb=, which it
+takes in this mode only), so its norm adds in the same order as the data-parallel engines'.
+The default mode (bitwise=False) is untouched: the ring, overlapped, its bytes as they were."""
 
 
 @dataclass(frozen=True)
@@ -172,7 +218,7 @@ FAMILIES = {"training": Training, "layout": Layout, "residual": Residual, "zerop
 FAMILY_OF = {f.name: family for family, cls in FAMILIES.items() for f in fields(cls)}
 
 # what each engine takes (SingleProcess: no data parallelism, so no buffers to broadcast either)
-SINGLE = ("precision", "scaler", "max_grad_norm", "track_peak")
+SINGLE = ("precision", "scaler", "max_grad_norm", "track_peak", "bitwise", "bucket_mb")
 DATA_PARALLEL = tuple(f.name for f in fields(Training)) + tuple(f.name for f in fields(Residual))
 BUCKETED = DATA_PARALLEL + ("bucket_mb", "overlap")
 # prefetch is ZeRO-3's, accepted so that zl.ZeRO(stage=k) takes the same for every k; ZeRO++ and
@@ -196,6 +242,10 @@ class EngineOptions:
     def parse(cls, engine: str, takes: tuple, keywords: dict, stage: int | None = None) -> "EngineOptions":
         """Check `keywords` for the engine called `engine`, which takes the options `takes`."""
         unknown = [k for k in keywords if k not in takes]
+        if not unknown and "bucket_mb" in keywords and takes == SINGLE and not keywords.get("bitwise"):
+            raise TypeError(f"{engine} takes bucket_mb only with bitwise=True (one process has no buckets; "
+                            "in bitwise mode its gradients are laid out in the data-parallel engines' "
+                            "buckets, so that its norm adds in their order)")
         if unknown:
             known = [k for k in unknown if k in FAMILY_OF]
             why = (f"{known[0]!r} is an option of {FAMILY_OF[known[0]]}, which {engine} does not have"
@@ -219,6 +269,15 @@ class EngineOptions:
             if t.precision == "fp16":
                 raise ValueError("precision='fp16' with a mesh of mp > 1 is not supported: the mp "
                                  "ranks would not agree on overflow skips. Use 'fp32' or 'bf16'.")
+        if t.bitwise:
+            if stage == 3:
+                raise ValueError("bitwise=True is not available on ZeRO-3 yet: use stage 1 or 2")
+            if r.mesh is not None:
+                raise ValueError("bitwise=True with a mesh is not supported: its ranks average over the "
+                                 "dp group only, and the tree is laid over the whole world. Drop mesh=.")
+            if o.offload is not None:
+                raise ValueError(f"bitwise=True with offload={o.offload!r} is not supported: the offloaded "
+                                 "update runs apart from the fixed tree. Use offload=None.")
         given = z.given()
         if stage is not None and stage != 3 and given:
             raise ValueError(f"{', '.join(given)}: ZeRO++ and HSDP options act on sharded parameters, "
@@ -261,7 +320,7 @@ class EngineOptions:
                 "overlap": l.overlap, "prefetch": l.prefetch,
                 "zeropp": (z.quantize_weights, z.secondary_partition, z.quantize_gradients, z.shard_group,
                            getattr(z.topology, "ranks_per_node", z.topology)),
-                "offload": (o.offload, o.delay_update)}
+                "offload": (o.offload, o.delay_update), **({"bitwise": True} if t.bitwise else {})}
 
     def replace(self, family: str, **changes) -> "EngineOptions":
         return dataclasses.replace(self, **{family: dataclasses.replace(getattr(self, family), **changes)})

@@ -57,6 +57,9 @@ class Step:
     def _take_over(self, state=None) -> None:
         """The script's optimizer, built: its groups moved onto the engine's tensors, its step
         hooked (optim.param_groups.hand_over), its zero_grad() watched."""
+        if self.bitwise:    # elementwise updates, single-tensor kernels (engines.options.BITWISE)
+            from ..bitwise.buckets import check_elementwise_optimizer
+            check_elementwise_optimizer(self.optimizer)
         self._place_groups()
         param_groups.hand_over(self.optimizer, self, state)
         self._groups = len(self.optimizer.param_groups)
@@ -169,7 +172,17 @@ class Step:
 
     def _clip(self, grads, max_norm) -> None:
         """Scale the step's gradients so that the whole gradient's norm is at most max_norm
-        (sharded engines hold disjoint slices: their squared norms are summed over ranks)."""
+        (sharded engines hold disjoint slices: their squared norms are summed over ranks).
+        bitwise=True: the fixed-order block norm, bucket by bucket (zerolab.bitwise.buckets)."""
+        if self.bitwise:
+            from ..bitwise.buckets import squared_norm as fixed_order_norm
+            from ..bitwise.norm import clip_coefficient
+            sumsq = fixed_order_norm(grads, self.comm, self.sharded)
+            coefficient = clip_coefficient(sumsq, max_norm)
+            for g in grads:
+                g.mul_(coefficient)
+            self.last_grad_norm = float(sumsq.sqrt())
+            return
         self.last_grad_norm = clip_grad_norm_(grads, max_norm, self.comm if self.sharded else None,
                                               group=self.norm_group)
 

@@ -106,6 +106,9 @@ class ZeRO1(DDP):
                 view.copy_(grad)
             p.grad = view
 
+    def _take_whole(self, p, b, i, k):
+        ZeRO1._take(self, p, b, i, k)     # (ZeRO-2 too: bitwise keeps full buckets during backward)
+
     def _reduce(self, b):
         flat = self._grad_bucket(b)          # zeros where no gradient arrived
         self._ready_to_reduce(b, flat)

@@ -20,6 +20,9 @@ What this class changes in ZeRO-1:
   times before step(), inside no_sync or not;
 * the owned slice is kept in the compute dtype (the paper's 2 Psi / N); when micro-batches
   accumulate it is promoted to fp32 on the second one and every later one is added in fp32.
+
+bitwise=True keeps ZeRO-1's full gradient buckets during backward (ZeRO1._take: a chunk's
+gradient waits for the step's fixed tree), so ZeRO-2 saves no gradient memory in that mode.
 """
 
 from __future__ import annotations
