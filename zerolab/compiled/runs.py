@@ -40,7 +40,7 @@ def train_compiled(stage: int, steps: int = 3, bucket_bytes: int = 0, depth: int
     """The graph's weights after `steps` steps, and the ledger's bytes by operation."""
     rank, world = zl.rank(), zl.world_size()
     model = tiny_gpt()
-    ledger = zl.comm.Ledger()
+    ledger = zl.comm.Ledger(timeout=None)
     trainer = Trainer(model, adamw(), gpt_loss, batch(0, rank, world), stage, ledger,
                       bucket_bytes=bucket_bytes, depth=depth)
     step_bytes = None
@@ -74,7 +74,7 @@ def peak_memory(stage: int, bucket_bytes: int = 0, depth: int = 0) -> dict:
     """The step's peak as the liveness pass predicts it and as the allocation tracker measures it."""
     rank, world = zl.rank(), zl.world_size()
     model = tiny_gpt()
-    trainer = Trainer(model, adamw(), gpt_loss, batch(0, rank, world), stage, zl.comm.Ledger(),
+    trainer = Trainer(model, adamw(), gpt_loss, batch(0, rank, world), stage, zl.comm.Ledger(timeout=None),
                       bucket_bytes=bucket_bytes, depth=depth)
     inputs = trainer.inputs()
     tokens, targets = batch(0, rank, world)
