@@ -82,3 +82,24 @@ def peak_memory(stage: int, bucket_bytes: int = 0, depth: int = 0) -> dict:
         out = trainer.step_graph.module(*inputs, tokens, targets)
     del out
     return {"predicted": liveness(trainer.step_graph).peak, "measured": tracker.peak}
+
+
+def max_difference(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in b)
+
+
+def compare(configs: list, steps: int = 3) -> list:
+    """For each (stage, bucket_bytes, depth): the graph's largest weight difference from eager
+    zl.ZeRO(stage) after `steps` steps, and the graph's ledger bytes of its last step."""
+    eager = {stage: train_eager(stage, steps) for stage in sorted({c[0] for c in configs})}
+    out = []
+    for stage, bucket_bytes, depth in configs:
+        mine = train_compiled(stage, steps, bucket_bytes, depth)
+        out.append({"difference": max_difference(mine["weights"], eager[stage]["weights"]),
+                    "bytes": mine["bytes"], "eager_bytes": eager[stage]["bytes"]})
+    return out
+
+
+def peaks(configs: list) -> list:
+    """peak_memory for each (stage, bucket_bytes, depth)."""
+    return [peak_memory(*c) for c in configs]

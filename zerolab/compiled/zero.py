@@ -58,13 +58,13 @@ class Trainer:
 
     def train_step(self, *batch):
         loss, *grads = self.step_graph.module(*self.inputs(), *batch)
-        for shard, grad in zip(self.shards, grads):
-            shard.grad = grad
+        for piece, grad in zip(self.shards, grads):
+            piece.grad = grad
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.stage < 3:                    # the updated shards back into every rank's full copy
-            for shard, full in zip(self.shards, self.full):
-                self.ledger.all_gather(full.view(-1), shard, tag="update")
+            for piece, full in zip(self.shards, self.full):
+                self.ledger.all_gather(full.view(-1), piece, tag="update")
         return loss
 
     def full_parameters(self) -> list:
@@ -72,8 +72,8 @@ class Trainer:
         if self.full is not None:
             return [f.clone() for f in self.full]
         out = []
-        for shard, shape in zip(self.shards, self.step_graph.shapes):
-            full = torch.empty(shard.numel() * self.world, dtype=shard.dtype)
-            self.ledger.all_gather(full, shard, tag="read")
+        for piece, shape in zip(self.shards, self.step_graph.shapes):
+            full = torch.empty(piece.numel() * self.world, dtype=piece.dtype)
+            self.ledger.all_gather(full, piece, tag="read")
             out.append(full.view(shape))
         return out
