@@ -7,7 +7,7 @@ buffer it reduces; eager reduces one flat bucket, the graph one buffer per gradi
 own buckets), so the orders differ and the weights agree within fp32_adamw_tol (tolerances.py).
 
 Memory: the liveness pass's prediction equals the allocation tracker's measured peak, to the
-byte, on every rank. Bytes: the ledger's against closed forms computed here from the model.
+byte, on every rank, and so does the bytes alive after every allocation. Bytes: the ledger's against closed forms computed here from the model.
 """
 
 import pytest
@@ -76,7 +76,8 @@ def test_liveness_predicts_measured_peak(world):
     results = zl.launch(runs.peaks, world_size=world, args=(configs,))
     for rank, per_rank in enumerate(results):
         for config, r in zip(configs, per_rank):
-            assert r["predicted"] == r["measured"], (rank, config, r)
+            assert r["predicted"] == r["measured"], (rank, config, r["predicted"], r["measured"])
+            assert r["predicted_timeline"] == r["measured_timeline"], (rank, config)   # allocation by allocation
     peaks = {c: r["predicted"] for c, r in zip(configs, results[0])}
     assert peaks[1, 0, 0] > peaks[2, 0, 0]              # ZeRO-1 keeps every full gradient to the end
     assert peaks[3, 0, 3] > peaks[3, 0, 1] >= peaks[3, 0, 0]   # prefetch holds weights sooner

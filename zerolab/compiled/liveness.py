@@ -28,6 +28,17 @@ class Timeline:
     after_node: list         # bytes alive after each node (its allocations in, its frees out)
     at_node: list            # bytes alive while each node runs (before its frees)
     names: list              # the nodes' names, in order
+    after_alloc: list        # bytes alive right after each allocation, in the order they happen
+
+
+def measured_after_alloc(trace) -> list:
+    """The same sequence from an AllocationTracker's trace (record_trace=True)."""
+    alive, out = 0, []
+    for event in trace:
+        alive += event.delta
+        if event.delta > 0:
+            out.append(alive)
+    return out
 
 
 def _bytes(val) -> int:
@@ -82,13 +93,16 @@ def liveness(step: Step) -> Timeline:
     for arg in graph.output_node().all_input_nodes:
         for b in holds[arg]:
             dies[b] = len(pos)                       # returned: alive after the step
-    alive, after_node, at_node = 0, [], []
+    alive, after_node, at_node, after_alloc = 0, [], [], []
     freed = {}
     for b, i in dies.items():
         freed.setdefault(i, []).append(b)
     for i, node in enumerate(graph.nodes):
-        alive += sum(bytes_ for b, bytes_ in size.items() if b == node or (isinstance(b, tuple) and b[0] == node))
+        for b, nbytes in size.items():
+            if b == node or (isinstance(b, tuple) and b[0] == node):
+                alive += nbytes
+                after_alloc.append(alive)
         at_node.append(alive)
         alive -= sum(size[b] for b in freed.get(i, ()))
         after_node.append(alive)
-    return Timeline(max(at_node, default=0), after_node, at_node, [n.name for n in graph.nodes])
+    return Timeline(max(at_node, default=0), after_node, at_node, [n.name for n in graph.nodes], after_alloc)

@@ -14,7 +14,7 @@ import torch
 import zerolab as zl
 
 from .capture import gpt_loss
-from .liveness import liveness
+from .liveness import liveness, measured_after_alloc
 from .zero import Trainer
 
 SEQ = 16
@@ -78,10 +78,12 @@ def peak_memory(stage: int, bucket_bytes: int = 0, depth: int = 0) -> dict:
                       bucket_bytes=bucket_bytes, depth=depth)
     inputs = trainer.inputs()
     tokens, targets = batch(0, rank, world)
-    with zl.memory.AllocationTracker() as tracker:
+    with zl.memory.AllocationTracker(record_trace=True) as tracker:
         out = trainer.step_graph.module(*inputs, tokens, targets)
     del out
-    return {"predicted": liveness(trainer.step_graph).peak, "measured": tracker.peak}
+    timeline = liveness(trainer.step_graph)
+    return {"predicted": timeline.peak, "measured": tracker.peak,
+            "predicted_timeline": timeline.after_alloc, "measured_timeline": measured_after_alloc(tracker.trace)}
 
 
 def max_difference(a: dict, b: dict) -> float:
