@@ -42,7 +42,8 @@ def views_per_region(step: Step) -> None:
 
 def gather_before(step: Step, param: fx.Node, first: fx.Node, world: int) -> fx.Node:
     """all-gather + wait + view to the full shape, inserted just before `first`."""
-    full = param.meta["full"]
+    full = param.meta.setdefault("full", param.meta["val"])
+    param.meta["val"] = meta_like((full.numel() // world,), full)     # the placeholder is now a shard
     with step.graph.inserting_before(first):
         start = step.graph.call_function(collectives.all_gather_start, (param, world))
         flat = step.graph.call_function(collectives.wait, (start,))
@@ -52,9 +53,9 @@ def gather_before(step: Step, param: fx.Node, first: fx.Node, world: int) -> fx.
     return weight
 
 
-def free_after(step: Step, weight: fx.Node) -> None:
-    """A free of the gathered weight right after its last reader."""
-    with step.graph.inserting_after(last_use(weight, positions(step.graph))):
+def free_after(step: Step, weight: fx.Node, reader: fx.Node) -> None:
+    """A free of the gathered weight right after `reader`."""
+    with step.graph.inserting_after(reader):
         step.graph.call_function(collectives.free, (weight,))
 
 
@@ -64,7 +65,7 @@ def shard(step: Step, world: int) -> Step:
     pos = positions(step.graph)
     loss_at = pos[step.loss_node()]
     for param in step.params():
-        full = param.meta["full"] = param.meta["val"]
+        full = param.meta.setdefault("full", param.meta["val"])
         if full.numel() % world:
             raise ValueError(f"{param.name}: {full.numel()} elements do not split into {world} equal shards")
         readers = list(param.users)
@@ -73,6 +74,5 @@ def shard(step: Step, world: int) -> Step:
                 weight = gather_before(step, param, min(region, key=pos.__getitem__), world)
                 for user in region:
                     user.replace_input_with(param, weight)
-                free_after(step, weight)
-        param.meta["val"] = meta_like((full.numel() // world,), full)
+                free_after(step, weight, last_use(weight, positions(step.graph)))
     return step.recompile()

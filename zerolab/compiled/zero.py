@@ -40,13 +40,14 @@ def zero_step(model, loss_fn, batch, stage: int, world: int, bucket_bytes: int =
 class Trainer:
     """Trains `model` with a ZeRO graph on this rank: shards, optimizer and the step's inputs."""
 
-    def __init__(self, model, optimizer, loss_fn, batch, stage: int, ledger, *, bucket_bytes=0, depth=0):
+    def __init__(self, model, optimizer, loss_fn, batch, stage: int, ledger, *, bucket_bytes=0, depth=0, step=None):
         import torch.distributed as dist
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.stage, self.ledger = stage, ledger
         collectives.use(ledger)
-        self.step_graph = zero_step(model, loss_fn, batch, stage, self.world, bucket_bytes, depth)
+        # `step`: a step already rewritten (a lab's passes); else ZeRO-`stage`'s own
+        self.step_graph = step or zero_step(model, loss_fn, batch, stage, self.world, bucket_bytes, depth)
         self.full = [p.detach().clone() for p in model.parameters()]
         self.shards = [f.reshape(self.world, -1)[self.rank].clone() for f in self.full]
         if stage == 3:
