@@ -51,7 +51,7 @@ def _weight_copies(start):
     return wait, views_of(wait)
 
 
-def check_shard(step) -> None:
+def check_shard(step, world: int) -> None:
     """Raise Stop at the first gathered weight the shard pass left wrong."""
     pos = positions(step.graph)
     loss_at = pos[step.loss_node()]
@@ -60,7 +60,7 @@ def check_shard(step) -> None:
         if direct:
             raise Stop(SHARD, "reads_shard",
                        f"{_node(direct[0], pos)} reads {param.name} itself, which now holds only this rank's "
-                       f"part of it ({_full(param).numel() // step.world} of its {_full(param).numel()} elements), "
+                       f"part of it ({_full(param).numel() // world} of its {_full(param).numel()} elements), "
                        "not the gathered weight.", "replace the parameter by the gathered weight in EVERY reader "
                        "of the region: user.replace_input_with(param, weight) for each.")
         for start in [u for u in param.users if u.target is collectives.all_gather_start]:
@@ -148,9 +148,8 @@ def check_prefetch(step, depth: int, before: dict) -> None:
 
 def build_step(plugin, depth: int, rank: int, world: int):
     step = capture(runs.tiny_gpt(), gpt_loss, runs.batch(0, rank, world))
-    step.world = world
     plugin["shard"](step, world)
-    check_shard(step)
+    check_shard(step, world)
     reduce(step, world)
     before = room(step)
     plugin["prefetch"](step, depth)
