@@ -14,6 +14,7 @@ import textwrap
 import pytest
 
 import tolerances
+from test_lab8_compiled import DIAGNOSES_COMPILED
 from zerolab.labs import LABS, grade_cases
 from zerolab.labs.__main__ import main as labs_cli
 from zerolab.labs.worker import load_lab
@@ -324,6 +325,7 @@ DIAGNOSES = {
         "loads_in_fp16": ("rounded to float16", "elements [0, 14)", "element 0 is", "no .half()"),
         "loads_state_for_empty": ("none of", "is on rank", "no entry"),
     },
+    "compiled": DIAGNOSES_COMPILED,     # lab 8's words live beside its own tests
 }
 
 
