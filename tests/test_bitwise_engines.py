@@ -17,6 +17,7 @@ refusal names what it refuses.
 """
 
 import functools
+import warnings
 from dataclasses import dataclass
 
 import pytest
@@ -288,3 +289,63 @@ def test_ranks_that_disagree_are_refused_on_every_rank():
         assert "the ranks ran between 1 and 2 backwards" in said
     for said in zl.launch(three_ranks_worker, 3):
         assert "bitwise=True needs a power-of-two number of ranks" in said
+
+
+# ------------------------------------------------------------------ what a script may do between chunks
+
+
+ZEROINGS = ("optimizer.zero_grad()", "model.zero_grad()", "optimizer.zero_grad(set_to_none=False)",
+            "model.zero_grad(set_to_none=False)")
+
+
+def between_chunks_worker(engine_name):
+    """On 2 ranks, K = 2 chunks a step: (1) torch's own clip line between backward and step is
+    refused by name; (2) a zero_grad (the optimizer's or the model's) after the first chunk drops
+    it: the step equals one whose first chunk is the second's data again, taken once only."""
+    case = Case("mlp", "fp32", ADAMW)
+    r, out = zl.rank(), {}
+    for how in ("reference",) + ZEROINGS:
+        model, data, loss_fn, rows = build(case.kind, 0 if r == 0 else 100 + r)
+        engine = make(engine_name, model, case.optimizer, bitwise=True)
+        batch = data.global_batch(0, rows)
+        first, second = chunk_of(batch, r * 4, rows), chunk_of(batch, r * 4 + 1, rows)
+        if how != "reference":          # a chunk, then zeroed: as if it had never run
+            (loss_fn(engine, first)[1] / 2).backward()
+            zeroing = engine.optimizer if how.startswith("optimizer") else engine.module
+            zeroing.zero_grad(set_to_none="False" not in how)
+        (loss_fn(engine, second)[1] / 2).backward()
+        if how == "reference":
+            try:
+                torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 1.0)
+            except RuntimeError as e:
+                out["clip"] = str(e)
+        (loss_fn(engine, second)[1] / 2).backward()
+        engine.optimizer.step()
+        out[how] = engine.full_state_dict()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_between_chunks_torchs_clip_is_refused_and_a_zero_grad_drops_the_chunks_so_far(engine_name):
+    for rank, out in enumerate(zl.launch(between_chunks_worker, 2, args=(engine_name,))):
+        assert "bitwise=True" in out["clip"] and "clip_grad_norm_" in out["clip"], out["clip"]
+        for how in ZEROINGS:
+            assert all(torch.equal(out[how][k], out["reference"][k]) for k in out["reference"]), (rank, how)
+
+
+@pytest.mark.parametrize("engine_name", ("single", "ddp"))
+def test_a_grad_scaler_is_refused_under_bitwise(engine_name):
+    """Before anything changes: by the step (whose gradients the scaler cannot see), or, where
+    the optimizer steps the parameters themselves (SingleProcess in fp32), by p.grad's placeholder."""
+    case = Case("mlp", "fp32", SGD)
+    model, data, loss_fn, rows = build(case.kind, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # (zl.DDP alone: "trains as one rank")
+        engine = make(engine_name, model, case.optimizer, bitwise=True)
+    before = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(loss_fn(engine, chunk_of(data.global_batch(0, rows), 0, rows))[1]).backward()
+    with pytest.raises(RuntimeError, match="bitwise=True"):
+        scaler.step(engine.optimizer)
+    assert all(torch.equal(v, before[k]) for k, v in engine.full_state_dict().items())

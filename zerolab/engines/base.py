@@ -67,7 +67,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..memory import PeakMemory
 from ..precision import cast_for_compute, global_norm, squared_norm
 from ..optim import param_groups
-from . import grad_guard
+from . import chunk_grad, grad_guard
 from .partial_result import Reducer
 from .lifecycle import Lifecycle
 from .options import EngineOptions, check_max_grad_norm
@@ -348,6 +348,7 @@ class Engine(Step, EngineState):
         """A backward begins: refuse a misuse before any gradient is touched, reset the reducer's
         per-backward state (engines' _reset_backward_state), queue the end-of-backward callback."""
         self._zero_grad_seen()
+        self._take_back_placeholders()
         self._take_back_guards()
         self.life.backward_began(synced)
         self.last_backward = {"start": self.comm.now(), "compute_end": None, "end": None}
@@ -371,7 +372,9 @@ class Engine(Step, EngineState):
         if reducing and not chunk and self.views is not None and not self.precision.policy.needs_master:
             self._expose_grads()
         self.life.backward_ended()
-        self._watch_zero_grad(marks=False)
+        # after a backward, marks only under bitwise=True, as placeholders: a GradScaler's
+        # unscale_ would write into a plain mark (and bitwise=True refuses a GradScaler by name)
+        self._watch_zero_grad(marks=self.bitwise, make=chunk_grad.placeholder if self.bitwise else None)
 
     # -------------------------------------------------------------- p.grad under a sharded engine
     _handed = 0                 # how many p.grad are this backward's pieces
@@ -475,6 +478,9 @@ class Engine(Step, EngineState):
         (_take_back_guards)."""
         if self._watch is not None:
             self._watch.disarm()
+        if self._placeholders_out:
+            self._placeholders_out = False
+            chunk_grad.clear(self._trainable())
         self._release_grads()
         self._drop_step_grads()
         if self.sharded:                # (only a sharded engine's backward hands out pieces)
@@ -505,6 +511,21 @@ class Engine(Step, EngineState):
         total = global_norm(sq, self.comm if self.sharded else None, self.norm_group)
         self.life.clip_at_next_step(max_norm)
         return total / self.precision.scale    # (1 unless fp16 scales the loss)
+
+    # bitwise=True: p.grad between a backward and the step is a placeholder (engines.chunk_grad)
+    _placeholders_out = False
+
+    def _hand_out_placeholders(self) -> None:
+        chunk_grad.hand_out(self._trainable())
+        self._placeholders_out = True
+
+    def _take_back_placeholders(self) -> None:
+        """Before the next chunk's backward: the placeholders go; the script removed them all
+        (model.zero_grad(), p.grad = None): it zeroed the step's chunks so far."""
+        if self._placeholders_out:
+            self._placeholders_out = False
+            if chunk_grad.take_back(self._trainable()) == "zeroed":
+                self.zero_grad()
 
     def _chunk_sum(self) -> list:
         """bitwise=True: the step's fp32 gradient per bucket (whole, or this rank's shard), the

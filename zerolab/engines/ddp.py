@@ -53,7 +53,7 @@ import torch
 from ..bitwise import buckets as bitwise_buckets
 from ..buckets import FlatBuckets
 from ..precision import cast_for_compute
-from . import options
+from . import chunk_grad, options
 from ..optim.param_views import ParamViews
 from .state import flat_segments
 from .naive_ddp import NaiveDDP
@@ -284,6 +284,7 @@ class DDP(NaiveDDP):
         self._trees.add(leaves)
         for p in self.params:
             p.grad = None
+        self._hand_out_placeholders()
 
     def _chunk_sum(self) -> list:
         if self._summed is None:
@@ -327,6 +328,9 @@ class DDP(NaiveDDP):
 
     def _drop_step_grads(self):
         self.life.grads_dropped()
+        if self._placeholders_out:      # (bitwise: the step made the gradients)
+            self._placeholders_out = False
+            chunk_grad.clear(self._trainable())
         if self.views is not None:
             self.views.drop_grads()
         for m in self.flat_masters:

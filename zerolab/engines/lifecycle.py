@@ -147,13 +147,19 @@ class Lifecycle:
 
     # -------------------------------------------------------------- step
     def check_step(self, has_optimizer: bool, grad_scaler: bool, precision: str,
-                   sharded: bool = False) -> None:
+                   sharded: bool = False, bitwise: bool = False) -> None:
         """Refuse a step whose gradients are not what it should apply."""
         if not has_optimizer:
             raise RuntimeError(
                 f"{self.engine} was built without an optimizer, as DistributedDataParallel is: "
                 "step your own (built on engine.parameters()) after loss.backward(); the gradients "
                 "in p.grad are already averaged over ranks.")
+        if grad_scaler and bitwise:
+            raise RuntimeError(
+                f"torch.amp.GradScaler on {self.engine} with bitwise=True: the gradients exist only as "
+                "the chunks' sum, made at the step, so the scaler finds none to unscale or check, and "
+                "the update would apply the scaled gradients. Drop the GradScaler: bitwise=True trains "
+                "in fp32 or bf16, which need no loss scaling.")
         if grad_scaler and precision == "fp32":
             raise RuntimeError(
                 f"torch.amp.GradScaler on {self.engine}: each rank holds only its slice of the "

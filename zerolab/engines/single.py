@@ -81,6 +81,7 @@ class SingleProcess(Engine):
         self._trees.add(leaves)
         for p in self.params:
             p.grad = None
+        self._hand_out_placeholders()
 
     def _chunk_sum(self) -> list:
         if self._summed is None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..precision import clip_grad_norm_
+from . import chunk_grad
 from ..optim import param_groups
 from ..optim.param_views import gather_bytes, use_foreach
 from ..optim.zero_grad_watch import ZeroGradWatch
@@ -74,9 +75,9 @@ class Step:
         if self._watch.disarm() if disarm else self._watch.seen():
             self.zero_grad()
 
-    def _watch_zero_grad(self, marks: bool) -> None:
+    def _watch_zero_grad(self, marks: bool, make=None) -> None:
         if self._watch is not None:
-            self._watch.arm(marks)
+            self._watch.arm(marks, make)
 
     # -------------------------------------------------------------- the step
     # optimizer.step() is the step, whoever calls it (engine.step() calls it too): PyTorch's step
@@ -96,12 +97,13 @@ class Step:
         check, clip and hand each tensor the optimizer holds its gradient (_prepare_update)."""
         self._close_step()              # (a step that raised inside the optimizer left it open)
         marked = self._watch is not None and self._watch.marks
+        make = self._watch.make if self._watch is not None else None
         self._zero_grad_seen()
         try:
             param_groups.check_no_new_group(self.optimizer, self._groups)
             self._check_step(optimizer)
         except BaseException:           # refused: nothing changed, the watch goes on
-            self._watch_zero_grad(marked)
+            self._watch_zero_grad(marked, make)
             raise
         scope = self.life.step_began()
         if self.track_peak:
@@ -147,7 +149,7 @@ class Step:
     def _check_step(self, optimizer) -> None:
         """Refuse a step whose gradients are not what it should apply (engines.lifecycle)."""
         self.life.check_step(self.optimizer is not None, getattr(optimizer, "found_inf", None) is not None,
-                             self.precision.name, self.sharded)
+                             self.precision.name, self.sharded, self.bitwise)
 
     def _start_step(self) -> None:
         """The first thing a step does once it is accepted (ZeRO-3 releases gathered units;
@@ -275,6 +277,9 @@ class Step:
     def _drop_step_grads(self) -> None:
         """Free the fp32 gradients _step_grads gave the masters (and the views' ranges of them)."""
         self.life.grads_dropped()
+        if self._placeholders_out:      # (bitwise: the step made the gradients)
+            self._placeholders_out = False
+            chunk_grad.clear(self._trainable())
         if self.views is not None:
             self.views.drop_grads()
         if self.masters is not self.params:

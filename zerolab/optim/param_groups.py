@@ -110,7 +110,7 @@ def hand_over(opt, engine, state=None) -> None:
         if engine.sharded:              # (zl.DDP's views are whole: its state dict is already)
             opt.register_state_dict_post_hook(functools.partial(_whole_state, me))
         opt.register_load_state_dict_pre_hook(functools.partial(_this_ranks_state, me))
-    if engine.precision.policy.needs_master or engine.sharded:
+    if engine.precision.policy.needs_master or engine.sharded or getattr(engine, "bitwise", False):
         # torch.amp.GradScaler (for fp32 weights under autocast) then calls step() itself on
         # every rank, which refuses it by name (Engine._check_step) instead of failing deep
         # inside; sharded: instead of one rank skipping the step (and its collectives) alone

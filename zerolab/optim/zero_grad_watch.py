@@ -44,6 +44,7 @@ class ZeroGradWatch:
         self.finalizers = []
         self.zeros = {}                 # (dtype, device) -> (the shared zero, its version when armed)
         self.marks = False              # were marks left (after a step)?
+        self.make = None                # what makes a mark (None: a view of the shared zero)
         self.heard = False              # a gradient left was dropped since arm()
 
     def _mark(self, t: torch.Tensor) -> torch.Tensor:
@@ -53,17 +54,18 @@ class ZeroGradWatch:
             self.zeros[key] = (zero, zero._version)
         return self.zeros[key][0].expand(t.shape)
 
-    def arm(self, marks: bool) -> None:
+    def arm(self, marks: bool, make=None) -> None:
         """Watch every engine tensor the optimizer holds: its gradient, or a mark where it has none
-        (marks=True)."""
+        (marks=True). `make(t)`: another kind of mark (a tensor whose `placeholder` is True, and
+        whose `zeroed` says that zero_grad(set_to_none=False) zeroed it: engines.chunk_grad)."""
         self.disarm()
-        self.marks = marks
+        self.marks, self.make = marks, make
         for group in self.optimizer.param_groups:
             for t in group["params"]:
                 if id(t) in self.model_ids:
                     continue
                 if t.grad is None and marks:
-                    t.grad = self._mark(t)
+                    t.grad = make(t) if make is not None else self._mark(t)
                 if t.grad is not None:
                     self.left.append((t, weakref.ref(t.grad)))
                     self.finalizers.append(weakref.finalize(t.grad, self._dropped))
@@ -75,7 +77,8 @@ class ZeroGradWatch:
 
     def seen(self) -> bool:
         """Did zero_grad() run since arm(): a gradient left dropped, or the shared zero written?"""
-        return self.heard or any(zero._version != seen for zero, seen in self.zeros.values())
+        return self.heard or any(zero._version != seen for zero, seen in self.zeros.values()) or \
+            any(getattr(g(), "zeroed", False) for _, g in self.left)
 
     def disarm(self) -> bool:
         """Take the marks back and stop watching; True if zero_grad() ran meanwhile."""
@@ -85,7 +88,7 @@ class ZeroGradWatch:
         ran = self.seen()
         self.heard = False
         for t, g in self.left:
-            if t.grad is not None and t.grad is g() and self._is_mark(t.grad):
+            if t.grad is not None and t.grad is g() and (getattr(t.grad, "placeholder", False) or self._is_mark(t.grad)):
                 t.grad = None
         self.left = []
         self.zeros = {k: (zero, zero._version) for k, (zero, _) in self.zeros.items()}
@@ -95,13 +98,13 @@ class ZeroGradWatch:
     def engine_drops(self):
         """The engine itself drops what the optimizer's tensors hold (outside a step): not the
         script's zero_grad(); the watch goes on afterwards as it was."""
-        armed, marks = bool(self.finalizers), self.marks
+        armed, marks, make = bool(self.finalizers), self.marks, getattr(self, "make", None)
         self.disarm()
         try:
             yield
         finally:
             if armed:
-                self.arm(marks)
+                self.arm(marks, make)
 
     def _is_mark(self, g: torch.Tensor) -> bool:
         entry = self.zeros.get((g.dtype, g.device))
