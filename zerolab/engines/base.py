@@ -68,6 +68,7 @@ from ..memory import PeakMemory
 from ..precision import cast_for_compute, global_norm, squared_norm
 from ..optim import param_groups
 from . import chunk_grad, grad_guard
+from .bitwise_mode import BitwiseMode
 from .partial_result import Reducer
 from .lifecycle import Lifecycle
 from .options import EngineOptions, check_max_grad_norm
@@ -89,7 +90,7 @@ def tensors_in(output) -> list:
             out += tensors_in([getattr(x, f.name) for f in dataclasses.fields(x)])
     return out
 
-class Engine(Step, EngineState):
+class Engine(Step, EngineState, BitwiseMode):
     """The shared part of every zerolab engine (see the module docstring; what it holds and
     reports: engines.state.EngineState)."""
 
@@ -112,8 +113,6 @@ class Engine(Step, EngineState):
     src_rank = 0                # the rank whose weights and buffers every rank starts from
     compiled = None             # torch.compile's wrapper of the model, which runs the forward
     mesh = None                 # ZeRO-R's Mesh (tensor-parallel models), if any
-    bitwise = False             # bitwise=True: the same bits at any world size (engines.options.BITWISE)
-    takes_bitwise = False       # does this engine have the bitwise mode? (others refuse it by name)
 
     def __init__(self, model: torch.nn.Module, optimizer=None, **keywords):
         """model: any nn.Module (compiled first or not); optimizer: a torch optimizer built on
@@ -170,16 +169,6 @@ class Engine(Step, EngineState):
         self.mesh, self.precision = group.mesh, group.precision
         self.activation_checkpointing, self.track_activations = group.activation_checkpointing, \
             group.track_activations
-
-    def _check_bitwise_world(self) -> None:
-        """bitwise=True: N a power of two, and the same intra-op threads on every rank."""
-        from ..bitwise.buckets import check_same_threads
-        from ..bitwise.chunks import is_power_of_two
-        if not is_power_of_two(self.world_size):
-            raise ValueError(f"bitwise=True needs a power-of-two number of ranks (1, 2, 4, 8, ...), got "
-                             f"{self.world_size}: each rank's chunks must be one subtree of the fixed tree")
-        if self.world_size > 1:
-            check_same_threads(self.comm)
 
     def _lay_out(self, model) -> None:
         """The engine's storage: the parameters it trains, in its order, and their masters."""
@@ -478,9 +467,7 @@ class Engine(Step, EngineState):
         (_take_back_guards)."""
         if self._watch is not None:
             self._watch.disarm()
-        if self._placeholders_out:
-            self._placeholders_out = False
-            chunk_grad.clear(self._trainable())
+        self._clear_placeholders()
         self._release_grads()
         self._drop_step_grads()
         if self.sharded:                # (only a sharded engine's backward hands out pieces)
@@ -503,34 +490,12 @@ class Engine(Step, EngineState):
             raise (ValueError("clip_grad_norm_: max_norm must be a number > 0") if max_norm is None else
                    RuntimeError("clip_grad_norm_() called before backward(): there is no gradient to clip"))
         if self.bitwise:            # the chunks' sum now (the step reuses it), its fixed-order norm
-            from ..bitwise.buckets import squared_norm as fixed_order_norm
-            total = float(fixed_order_norm(self._chunk_sum(), self.comm, self.sharded).sqrt())
             self.life.clip_at_next_step(max_norm)
-            return total
+            return self._chunk_norm()
         sq = squared_norm([g for g in self.owned_grads() if g is not None])
         total = global_norm(sq, self.comm if self.sharded else None, self.norm_group)
         self.life.clip_at_next_step(max_norm)
         return total / self.precision.scale    # (1 unless fp16 scales the loss)
-
-    # bitwise=True: p.grad between a backward and the step is a placeholder (engines.chunk_grad)
-    _placeholders_out = False
-
-    def _hand_out_placeholders(self) -> None:
-        chunk_grad.hand_out(self._trainable())
-        self._placeholders_out = True
-
-    def _take_back_placeholders(self) -> None:
-        """Before the next chunk's backward: the placeholders go; the script removed them all
-        (model.zero_grad(), p.grad = None): it zeroed the step's chunks so far."""
-        if self._placeholders_out:
-            self._placeholders_out = False
-            if chunk_grad.take_back(self._trainable()) == "zeroed":
-                self.zero_grad()
-
-    def _chunk_sum(self) -> list:
-        """bitwise=True: the step's fp32 gradient per bucket (whole, or this rank's shard), the
-        chunks added in the fixed tree and divided by N; computed once per step."""
-        raise NotImplementedError
 
     def owned_grads(self) -> list:
         """The gradients this rank holds for the tensors it updates (here: one per parameter)."""

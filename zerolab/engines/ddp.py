@@ -53,7 +53,7 @@ import torch
 from ..bitwise import buckets as bitwise_buckets
 from ..buckets import FlatBuckets
 from ..precision import cast_for_compute
-from . import chunk_grad, options
+from . import options
 from ..optim.param_views import ParamViews
 from .state import flat_segments
 from .naive_ddp import NaiveDDP
@@ -328,9 +328,7 @@ class DDP(NaiveDDP):
 
     def _drop_step_grads(self):
         self.life.grads_dropped()
-        if self._placeholders_out:      # (bitwise: the step made the gradients)
-            self._placeholders_out = False
-            chunk_grad.clear(self._trainable())
+        self._clear_placeholders()      # (bitwise: the step made the gradients)
         if self.views is not None:
             self.views.drop_grads()
         for m in self.flat_masters:

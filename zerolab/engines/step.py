@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 
 from ..precision import clip_grad_norm_
-from . import chunk_grad
 from ..optim import param_groups
 from ..optim.param_views import gather_bytes, use_foreach
 from ..optim.zero_grad_watch import ZeroGradWatch
@@ -277,9 +276,7 @@ class Step:
     def _drop_step_grads(self) -> None:
         """Free the fp32 gradients _step_grads gave the masters (and the views' ranges of them)."""
         self.life.grads_dropped()
-        if self._placeholders_out:      # (bitwise: the step made the gradients)
-            self._placeholders_out = False
-            chunk_grad.clear(self._trainable())
+        self._clear_placeholders()      # (bitwise: the step made the gradients)
         if self.views is not None:
             self.views.drop_grads()
         if self.masters is not self.params:

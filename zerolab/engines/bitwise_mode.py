@@ -1,0 +1,58 @@
+"""bitwise=True on an engine (engines.options.BITWISE): what every engine with the mode shares.
+
+A mixin of engines.base.Engine. Each backward is one chunk of the global batch; its gradient goes
+into the chunks' fixed tree when the backward ends (the engine's _add_chunk / _finish_backward),
+and the step's gradient is the tree's sum across ranks (_chunk_sum). Here: the checks of the
+world the mode needs, p.grad's placeholders between a backward and the step
+(engines.chunk_grad), and the norm a clip reads.
+"""
+
+from __future__ import annotations
+
+from ..bitwise.buckets import check_same_threads
+from ..bitwise.buckets import squared_norm as fixed_order_norm
+from ..bitwise.chunks import is_power_of_two
+from . import chunk_grad
+
+
+class BitwiseMode:
+    """bitwise=True's shared parts (see the module docstring)."""
+
+    bitwise = False             # bitwise=True: the same bits at any world size (engines.options.BITWISE)
+    takes_bitwise = False       # does this engine have the bitwise mode? (others refuse it by name)
+    _placeholders_out = False   # does p.grad hold placeholders (between a chunk and the step)?
+
+    def _check_bitwise_world(self) -> None:
+        """bitwise=True: N a power of two, and the same intra-op threads on every rank."""
+        if not is_power_of_two(self.world_size):
+            raise ValueError(f"bitwise=True needs a power-of-two number of ranks (1, 2, 4, 8, ...), got "
+                             f"{self.world_size}: each rank's chunks must be one subtree of the fixed tree")
+        if self.world_size > 1:
+            check_same_threads(self.comm)
+
+    def _hand_out_placeholders(self) -> None:
+        chunk_grad.hand_out(self._trainable())
+        self._placeholders_out = True
+
+    def _take_back_placeholders(self) -> None:
+        """Before the next chunk's backward: the placeholders go; the script removed them all
+        (model.zero_grad(), p.grad = None): it zeroed the step's chunks so far."""
+        if self._placeholders_out:
+            self._placeholders_out = False
+            if chunk_grad.take_back(self._trainable()) == "zeroed":
+                self.zero_grad()
+
+    def _chunk_sum(self) -> list:
+        """bitwise=True: the step's fp32 gradient per bucket (whole, or this rank's shard), the
+        chunks added in the fixed tree and divided by N; computed once per step."""
+        raise NotImplementedError
+
+    def _clear_placeholders(self) -> None:
+        """The step made the gradients, or zero_grad() dropped them: the placeholders go."""
+        if self._placeholders_out:
+            self._placeholders_out = False
+            chunk_grad.clear(self._trainable())
+
+    def _chunk_norm(self) -> float:
+        """The norm of the step's gradient, the chunks' sum, added in the fixed order."""
+        return float(fixed_order_norm(self._chunk_sum(), self.comm, self.sharded).sqrt())
