@@ -54,6 +54,18 @@ def test_weights_equal_eager_zero(world):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
+def test_the_bench_gpt_trains_as_eager_zero_on_every_stage(world):
+    """The benchmark's GPT ("tiny", at this module's sequence length), stages 1, 2, 3."""
+    results = zl.launch(runs.compare, world_size=world, args=([(1, 0, 0), (2, 0, 0), (3, 0, 0)], STEPS, "tiny"))[0]
+    for stage, r in zip((1, 2, 3), results):
+        if world == 2:
+            assert r["difference"] == 0.0, (stage, r["difference"])
+        else:
+            assert r["difference"] <= fp32_adamw_tol(STEPS), (stage, r["difference"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
 def test_ledger_bytes_closed_form(world):
     configs = [(1, 0, 0), (2, 0, 0), (3, 0, 0), (3, 16384, 2)]
     results = zl.launch(runs.compare, world_size=world, args=(configs, 1))[0]

@@ -20,8 +20,12 @@ from .zero import Trainer
 SEQ = 16
 
 
-def tiny_gpt(n_layer: int = 2, n_embd: int = 32):
+def tiny_gpt(n_layer: int = 2, n_embd: int = 32, size: str | None = None):
+    """The runs' GPT: a small nano by default; `size`: one of zerolab.models' named sizes (the
+    benchmark's is "tiny"), with this module's sequence length."""
     torch.manual_seed(0)
+    if size is not None:
+        return zl.models.GPT(zl.models.gpt_config(size, block_size=SEQ))
     return zl.models.GPT(zl.models.gpt_config("nano", n_layer=n_layer, n_embd=n_embd, n_head=2, block_size=SEQ))
 
 
@@ -36,10 +40,10 @@ def adamw():
     return partial(torch.optim.AdamW, lr=1e-3, eps=1e-6)
 
 
-def train_compiled(stage: int, steps: int = 3, bucket_bytes: int = 0, depth: int = 0) -> dict:
+def train_compiled(stage: int, steps: int = 3, bucket_bytes: int = 0, depth: int = 0, size=None) -> dict:
     """The graph's weights after `steps` steps, and the ledger's bytes by operation."""
     rank, world = zl.rank(), zl.world_size()
-    model = tiny_gpt()
+    model = tiny_gpt(size=size)
     ledger = zl.comm.Ledger(timeout=None)
     trainer = Trainer(model, adamw(), gpt_loss, batch(0, rank, world), stage, ledger,
                       bucket_bytes=bucket_bytes, depth=depth)
@@ -52,12 +56,12 @@ def train_compiled(stage: int, steps: int = 3, bucket_bytes: int = 0, depth: int
     return {"weights": dict(zip(names, trainer.full_parameters())), "bytes": step_bytes}
 
 
-def train_eager(stage: int, steps: int = 3) -> dict:
+def train_eager(stage: int, steps: int = 3, size=None) -> dict:
     """zl.ZeRO(stage=k)'s weights after the same steps, and its ledger's bytes of the last step."""
     rank, world = zl.rank(), zl.world_size()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine = zl.ZeRO(tiny_gpt(), adamw(), stage=stage)
+        engine = zl.ZeRO(tiny_gpt(size=size), adamw(), stage=stage)
     step_bytes = None
     for step in range(steps):
         engine.comm.reset()
@@ -90,13 +94,14 @@ def max_difference(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in b)
 
 
-def compare(configs: list, steps: int = 3) -> list:
+def compare(configs: list, steps: int = 3, size=None) -> list:
     """For each (stage, bucket_bytes, depth): the graph's largest weight difference from eager
-    zl.ZeRO(stage) after `steps` steps, and the graph's ledger bytes of its last step."""
-    eager = {stage: train_eager(stage, steps) for stage in sorted({c[0] for c in configs})}
+    zl.ZeRO(stage) after `steps` steps, and the graph's ledger bytes of its last step (`size`:
+    a named GPT size instead of the small nano)."""
+    eager = {stage: train_eager(stage, steps, size) for stage in sorted({c[0] for c in configs})}
     out = []
     for stage, bucket_bytes, depth in configs:
-        mine = train_compiled(stage, steps, bucket_bytes, depth)
+        mine = train_compiled(stage, steps, bucket_bytes, depth, size)
         out.append({"difference": max_difference(mine["weights"], eager[stage]["weights"]),
                     "bytes": mine["bytes"], "eager_bytes": eager[stage]["bytes"]})
     return out
