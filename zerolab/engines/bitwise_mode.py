@@ -30,6 +30,12 @@ class BitwiseMode:
         if self.world_size > 1:
             check_same_threads(self.comm)
 
+    def _chunk_done(self, leaves) -> None:
+        """A backward's gradient, bucket by bucket in fp32, is this rank's next leaf of each
+        bucket's tree; p.grad becomes a placeholder (the real one is freed for the next chunk)."""
+        self._trees.add(leaves)
+        self._hand_out_placeholders()
+
     def _hand_out_placeholders(self) -> None:
         chunk_grad.hand_out(self._trainable())
         self._placeholders_out = True

@@ -281,10 +281,7 @@ class DDP(NaiveDDP):
                 if p.grad is not bucket.grad_view(i):
                     leaf[bucket.offsets[i]:bucket.offsets[i] + bucket.sizes[i]].zero_()
             leaves.append(leaf)
-        self._trees.add(leaves)
-        for p in self.params:
-            p.grad = None
-        self._hand_out_placeholders()
+        self._chunk_done(leaves)
 
     def _chunk_sum(self) -> list:
         if self._summed is None:

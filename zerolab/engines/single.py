@@ -78,10 +78,7 @@ class SingleProcess(Engine):
                     self._reached.add(id(p))
                     leaf[o:o + n].copy_(p.grad.reshape(-1))     # an exact cast up: no arithmetic
             leaves.append(leaf)
-        self._trees.add(leaves)
-        for p in self.params:
-            p.grad = None
-        self._hand_out_placeholders()
+        self._chunk_done(leaves)
 
     def _chunk_sum(self) -> list:
         if self._summed is None:
