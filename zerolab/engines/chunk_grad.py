@@ -36,7 +36,6 @@ class ChunkGradient(torch.Tensor):
     """p.grad between a bitwise backward and its step (see the module docstring). `zeroed`:
     zero_grad(set_to_none=False) zeroed it (there is nothing to write: it is noted)."""
 
-    placeholder = True
     zeroed = False
 
     @classmethod

@@ -40,7 +40,7 @@ class ZeroGradWatch:
     def __init__(self, optimizer, model_params):
         self.optimizer = optimizer
         self.model_ids = {id(p) for p in model_params}
-        self.left = []                  # (tensor, weak reference to the gradient left on it)
+        self.left = []                  # (tensor, weak reference to the gradient left on it, a mark?)
         self.finalizers = []
         self.zeros = {}                 # (dtype, device) -> (the shared zero, its version when armed)
         self.marks = False              # were marks left (after a step)?
@@ -56,18 +56,19 @@ class ZeroGradWatch:
 
     def arm(self, marks: bool, make=None) -> None:
         """Watch every engine tensor the optimizer holds: its gradient, or a mark where it has none
-        (marks=True). `make(t)`: another kind of mark (a tensor whose `placeholder` is True, and
-        whose `zeroed` says that zero_grad(set_to_none=False) zeroed it: engines.chunk_grad)."""
+        (marks=True). `make(t)`: another kind of mark (one whose `zeroed` says that
+        zero_grad(set_to_none=False) zeroed it: engines.chunk_grad)."""
         self.disarm()
         self.marks, self.make = marks, make
         for group in self.optimizer.param_groups:
             for t in group["params"]:
                 if id(t) in self.model_ids:
                     continue
-                if t.grad is None and marks:
+                marked = t.grad is None and marks
+                if marked:
                     t.grad = make(t) if make is not None else self._mark(t)
                 if t.grad is not None:
-                    self.left.append((t, weakref.ref(t.grad)))
+                    self.left.append((t, weakref.ref(t.grad), marked))
                     self.finalizers.append(weakref.finalize(t.grad, self._dropped))
         self.zeros = {k: (zero, zero._version) for k, (zero, _) in self.zeros.items()}
 
@@ -78,7 +79,7 @@ class ZeroGradWatch:
     def seen(self) -> bool:
         """Did zero_grad() run since arm(): a gradient left dropped, or the shared zero written?"""
         return self.heard or any(zero._version != seen for zero, seen in self.zeros.values()) or \
-            any(getattr(g(), "zeroed", False) for _, g in self.left)
+            any(getattr(g(), "zeroed", False) for _, g, _ in self.left)
 
     def disarm(self) -> bool:
         """Take the marks back and stop watching; True if zero_grad() ran meanwhile."""
@@ -87,8 +88,8 @@ class ZeroGradWatch:
         self.finalizers = []
         ran = self.seen()
         self.heard = False
-        for t, g in self.left:
-            if t.grad is not None and t.grad is g() and (getattr(t.grad, "placeholder", False) or self._is_mark(t.grad)):
+        for t, g, marked in self.left:
+            if marked and t.grad is not None and t.grad is g():    # (our mark, still in place)
                 t.grad = None
         self.left = []
         self.zeros = {k: (zero, zero._version) for k, (zero, _) in self.zeros.items()}
@@ -98,14 +99,10 @@ class ZeroGradWatch:
     def engine_drops(self):
         """The engine itself drops what the optimizer's tensors hold (outside a step): not the
         script's zero_grad(); the watch goes on afterwards as it was."""
-        armed, marks, make = bool(self.finalizers), self.marks, getattr(self, "make", None)
+        armed, marks, make = bool(self.finalizers), self.marks, self.make
         self.disarm()
         try:
             yield
         finally:
             if armed:
                 self.arm(marks, make)
-
-    def _is_mark(self, g: torch.Tensor) -> bool:
-        entry = self.zeros.get((g.dtype, g.device))
-        return entry is not None and g.untyped_storage().data_ptr() == entry[0].untyped_storage().data_ptr()
