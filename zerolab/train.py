@@ -135,6 +135,11 @@ def train_worker(cfg: TrainConfig, progress=None) -> dict:
     elapsed = time.perf_counter() - start
     if bar is not None:
         bar.close()
+    if progress is not None and r == 0:
+        # a Queue's put hands the message to a feeder thread; join it, or the process may end
+        # before the last step's message is in the pipe (the parent's bar then stops at 3/4)
+        progress.close()
+        progress.join_thread()
     done = cfg.steps - first
     tokens = done * cfg.batch_size * n * model_cfg.block_size
     if report is None:   # resumed at the end: nothing left to run
