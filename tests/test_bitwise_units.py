@@ -14,6 +14,7 @@
 """
 
 import functools
+import math
 
 import pytest
 import torch
@@ -21,8 +22,8 @@ import torch.distributed as dist
 
 import zerolab as zl
 from zerolab.bitwise import (BitwiseDataParallel, ChunkPlan, TreeAccumulator, differing_bits,
-                             fixed_order_sum_of_squares, tree_all_reduce, tree_reduce_scatter, tree_sum)
-from zerolab.bitwise.norm import block_sums_of_squares, halving_sum
+                             exact_sum_of_squares, tree_all_reduce, tree_reduce_scatter, tree_sum)
+from zerolab.bitwise.norm import square_sums, sums_to_float
 from zerolab.runtime.comm import Ledger
 from zerolab.models import TinyMLP, regression_loss
 
@@ -118,22 +119,14 @@ def tree_worker():
     dist.all_reduce(plain)          # the library's own order (gloo's algorithm)
     sent = ledger.bytes(op="send")
     x = norm_vector()
-    norm = fixed_order_sum_of_squares(x.view(n, -1)[r], NORM_BLOCK, ledger, sharded=True)
+    norm = exact_sum_of_squares(x.view(n, -1)[r], ledger, sharded=True)
     return full, shard, plain, sent, norm
 
 
-NORM_BLOCK = 64
-
-
-def plain_block_norm(x, block):
-    """The norm's order written out: squares, each block halved to one, the block sums halved to one."""
-    v = (x * x).view(-1, block)
-    while v.shape[-1] > 1:
-        v = v[:, :v.shape[-1] // 2] + v[:, v.shape[-1] // 2:]
-    v = v[:, 0]
-    while v.numel() > 1:
-        v = v[:v.numel() // 2] + v[v.numel() // 2:]
-    return v[0]
+def fsum_norm(x) -> torch.Tensor:
+    """The reference: math.fsum of the fp64 squares (each exact: 24-bit mantissas squared fit in
+    53 bits), correctly rounded to fp64, then cast to fp32."""
+    return torch.tensor(math.fsum(v * v for v in x.double().tolist()), dtype=torch.float64).float()
 
 
 def norm_vector():
@@ -148,7 +141,7 @@ def test_tree_across_ranks_is_the_one_process_tree():
     for n in (1, 2, 4, 8):
         results = zl.launch(tree_worker, n)
         for r, (full, shard, plain, sent, norm) in enumerate(results):
-            assert torch.equal(norm, plain_block_norm(norm_vector(), NORM_BLOCK)), f"norm at N={n}"
+            assert torch.equal(norm, fsum_norm(norm_vector())), f"norm at N={n}"
             assert torch.equal(full, reference), f"all-reduce at N={n}, rank {r}"
             assert torch.equal(shard, reference.view(n, -1)[r]), f"reduce-scatter at N={n}, rank {r}"
             # recursive halving sends (N-1)/N of the vector per rank (the ring's bytes), twice for
@@ -161,25 +154,45 @@ def test_tree_across_ranks_is_the_one_process_tree():
 # ------------------------------------------------------------------ the norm
 
 
-def test_block_norm_is_the_same_on_shards_and_with_any_padding():
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(3000, generator=g) * 2.0 ** torch.randint(-8, 9, (3000,), generator=g)
-    block = 64
-    totals = []
-    for world in (1, 2, 4, 8):
-        padded = -(-x.numel() // (world * block)) * world * block
-        flat = torch.cat([x, x.new_zeros(padded - x.numel())])
-        whole = fixed_order_sum_of_squares(flat, block)
-        # what a sharded rank does: its blocks' sums, concatenated in rank order, then the tree
-        shards = flat.view(world, -1)
-        gathered = torch.cat([block_sums_of_squares(s, block) for s in shards])
-        totals += [whole, halving_sum(gathered)]
-    assert all(torch.equal(t, totals[0]) for t in totals)
-    # teeth: the sharded engines' order (each shard's squares summed by torch, then the shards'
-    # sums added) changes with the world size on the same data
+def spread_values(count: int, seed: int) -> torch.Tensor:
+    """Values over 2^-60 .. 2^60, subnormal, zero and negative ones among them: squares whose
+    sum changes with the order of addition."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(count, generator=g) * 2.0 ** torch.randint(-60, 61, (count,), generator=g)
+    x[:5] = torch.tensor([0.0, -0.0, 1e-45, -3e-40, 2.0 ** -100])
+    return x
+
+
+def test_exact_norm_is_fsum_on_any_split_and_order():
+    x = spread_values(3000, 1)
+    reference = fsum_norm(x)
+    assert torch.equal(exact_sum_of_squares(x), reference)
+    exact_fp64 = math.fsum(v * v for v in x.double().tolist())
+    assert sums_to_float(square_sums(x)) == exact_fp64      # correctly rounded, to the last bit
+    g = torch.Generator().manual_seed(2)
+    for world in (2, 3, 4, 8):              # shards of any size, in any order: integer sums add exactly
+        pieces = list(x[torch.randperm(x.numel(), generator=g)].tensor_split(world))
+        sums = sum(square_sums(p) for p in pieces)
+        assert sums_to_float(sums) == exact_fp64
+        assert torch.equal(exact_sum_of_squares(pieces), reference)
+    # bf16 gradients read exactly too (each is an fp32 value)
+    b = x.clamp(-1e30, 1e30).bfloat16()
+    assert torch.equal(exact_sum_of_squares(b), fsum_norm(b.float()))
+    # teeth: the sharded engines' plain order (each shard's squares summed by torch, then the
+    # shards' sums added) changes with the world size on the same data
     y = torch.randn(3000, generator=g)
     naive = {(y.view(world, -1) ** 2).sum(dim=1).sum().item() for world in (1, 2, 4, 8)}
     assert len(naive) > 1, naive
+
+
+def test_exact_norm_of_nan_and_inf_is_nan_and_inf():
+    assert math.isinf(float(exact_sum_of_squares(torch.tensor([1.0, float("inf")]))))
+    assert math.isnan(float(exact_sum_of_squares([torch.tensor([float("inf")]), torch.tensor([float("nan")])])))
+    assert float(exact_sum_of_squares(torch.zeros(7))) == 0.0
+    # the largest fp32 squared overflows fp32, as torch's norm does (its sums hold it exactly)
+    big = torch.tensor([3.4e38])
+    assert sums_to_float(square_sums(big)) == float(big.double()) ** 2
+    assert math.isinf(float(exact_sum_of_squares(big)))
 
 
 # ------------------------------------------------------------------ layout independence of the update

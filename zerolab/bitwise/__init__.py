@@ -10,7 +10,7 @@ This package fixes every order of addition so that the world size no longer chan
     flat        the trainable parameters as one padded flat vector, cut into equal shards
     tree        the chunks' gradients added in ONE fixed binary tree over chunk indices:
                 inside a rank, then across ranks by recursive halving and an all-gather
-    norm        the squared norm summed over fixed blocks in a fixed tree, for clipping
+    norm        the squared norm, exact (integer digits), for clipping: no order can matter
     trainer     a small data-parallel trainer on top (SGD, AdamW; accumulation; clipping;
                 fp32 or bf16 compute with fp32 masters), whole vector or ZeRO-style shards
     bits        how many bits differ between two sets of weights
@@ -22,10 +22,10 @@ This package fixes every order of addition so that the world size no longer chan
 from .bits import differing_bits
 from .chunks import ChunkPlan, chunk_gradient
 from .flat import FlatLayout
-from .norm import clip_coefficient, fixed_order_sum_of_squares
+from .norm import clip_coefficient, exact_sum_of_squares
 from .trainer import BitwiseDataParallel
 from .tree import TreeAccumulator, tree_all_reduce, tree_reduce_scatter, tree_sum
 
 __all__ = ["ChunkPlan", "chunk_gradient", "FlatLayout", "TreeAccumulator", "tree_sum", "tree_all_reduce",
-           "tree_reduce_scatter", "fixed_order_sum_of_squares", "clip_coefficient",
+           "tree_reduce_scatter", "exact_sum_of_squares", "clip_coefficient",
            "BitwiseDataParallel", "differing_bits"]

@@ -12,8 +12,8 @@ bucket by bucket, is one leaf of the fixed tree; the step adds the leaves across
     reduce_buckets      the top of the tree across ranks, bucket by bucket, in bucket order:
                         whole (tree_all_reduce: DDP) or this rank's shard (tree_reduce_scatter:
                         ZeRO), then divided by N (a power of two: exact)
-    squared_norm        each bucket's fixed-order block norm, the buckets' sums added in a fixed
-                        tree over bucket indices (the buckets depend on sizes, never on N)
+    squared_norm        the exact squared norm of the step's gradient (zerolab.bitwise.norm):
+                        the same bits whatever the buckets, the shards or the engine
     check_same_threads  every rank computes with the same number of intra-op threads
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .chunks import is_power_of_two
-from .norm import fixed_order_sum_of_squares, halving_sum
+from .norm import exact_sum_of_squares
 from .tree import TreeAccumulator, tree_all_reduce, tree_reduce_scatter
 from .trainer import NORM_BLOCK, check_elementwise_optimizer
 
@@ -31,7 +31,8 @@ __all__ = ["NORM_BLOCK", "ChunkTrees", "agree_backwards", "reduce_buckets", "squ
 
 
 def quantum(world_size: int, block: int = NORM_BLOCK) -> int:
-    """What each bucket is padded to a multiple of: N * block, so shard r holds whole blocks."""
+    """What each bucket is padded to a multiple of: N * block, so every shard starts on the same
+    alignment (the elementwise kernels' vector lanes line up on every N)."""
     return world_size * block
 
 
@@ -53,6 +54,10 @@ class ChunkTrees:
         """One backward's fp32 gradient per bucket (each becomes the tree's own)."""
         for tree, leaf in zip(self.trees, leaves):
             tree.add(leaf)
+
+    def held(self) -> list:
+        """The partial sums the trees hold now (for memory reports)."""
+        return [node for tree in self.trees for node in tree.partial_sums()]
 
     def roots(self) -> list:
         """Each bucket's sum over this rank's backwards, in the tree; the trees start again."""
@@ -92,12 +97,10 @@ def reduce_buckets(roots: list, ledger, world_size: int, sharded: bool) -> list:
     return out
 
 
-def squared_norm(grads: list, ledger=None, sharded: bool = False, block: int = NORM_BLOCK) -> torch.Tensor:
-    """The squared norm of the whole gradient (0-d fp32), the same bits on any N: each bucket's
-    fixed-order block sum (zerolab.bitwise.norm; its shards hold whole blocks), then the
-    buckets' sums in a fixed tree over bucket indices."""
-    per_bucket = [fixed_order_sum_of_squares(g, block, ledger, sharded=sharded) for g in grads]
-    return halving_sum(torch.stack(per_bucket))
+def squared_norm(grads: list, ledger=None, sharded: bool = False) -> torch.Tensor:
+    """The squared norm of the whole gradient (0-d fp32), the same bits on any N and any layout:
+    `grads` are the step's gradients, whole or this rank's shards (sharded=True)."""
+    return exact_sum_of_squares(grads, ledger, sharded=sharded)
 
 
 def check_same_threads(ledger) -> None:

@@ -2,8 +2,8 @@
 
 The bitwise mode adds and updates gradients and weights as one flat vector (or this rank's
 shard of it). Its length is padded with zeros to a multiple of N * block, so that every shard
-holds whole norm blocks (zerolab.bitwise.norm) and every shard starts at the same position of
-a block. The padding depends on N, but it changes no bit: it is zeros at the end, which the
+starts at a multiple of `block` elements (the elementwise kernels' vector lanes line up the
+same way on every N). The padding depends on N, but it changes no bit: it is zeros at the end, which the
 elementwise sums and updates leave at zero and the norm's tree adds as +0.
 """
 
@@ -24,7 +24,7 @@ class FlatLayout:
 
     def __init__(self, params, world_size: int, block: int):
         if not is_power_of_two(block):
-            raise ValueError(f"bitwise mode: the norm block must be a power of two, got {block!r}")
+            raise ValueError(f"bitwise mode: the shards' alignment (block) must be a power of two, got {block!r}")
         self.params = list(params)
         self.shapes = [p.shape for p in self.params]
         self.numels = [p.numel() for p in self.params]

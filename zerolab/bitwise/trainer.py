@@ -15,7 +15,7 @@ One step, and what fixes its order:
      With ChunkPlan(interleaved=True) the order of 1 and 2 turns round: each chunk is
      reduce-scattered as soon as it is computed (its round's lower levels cross ranks) and
      the rounds are added on the shard, so no full-size partial sum outlives a chunk;
-  3. clip: the fixed-order squared norm over fixed blocks (zerolab.bitwise.norm);
+  3. clip: the squared norm, computed exactly (zerolab.bitwise.norm), so no order matters;
   4. the optimizer steps the fp32 master vector, whole or this rank's shard.
 
 Why the update is layout-independent: SGD and AdamW with foreach=False update each element
@@ -24,7 +24,7 @@ corrections) that are the same on every rank. A whole vector, a shard of it, or 
 parameter gives every element the same arithmetic. (Element-wise CPU kernels run full vector
 lanes and a scalar tail; tests/test_bitwise_units.py checks that a slice at any offset gets the
 same bits as the whole, which is what makes the lane boundaries irrelevant. Shards also start
-at multiples of the norm block, so lanes line up anyway.) Optimizers outside that family, or
+at multiples of NORM_BLOCK elements, so lanes line up anyway.) Optimizers outside that family, or
 these with foreach or fused kernels, are refused by name.
 """
 
@@ -37,10 +37,10 @@ from ..runtime.comm import Ledger
 from ..precision import policy
 from .chunks import ChunkPlan, chunk_gradient, split_rows
 from .flat import FlatLayout, trainable_parameters
-from .norm import clip_coefficient, fixed_order_sum_of_squares
+from .norm import clip_coefficient, exact_sum_of_squares
 from .tree import TreeAccumulator, tree_all_reduce, tree_reduce_scatter
 
-NORM_BLOCK = 256        # elements per norm block (a power of two; shards hold whole blocks)
+NORM_BLOCK = 256        # shards start at multiples of this many elements (a power of two)
 
 # Optimizers whose update is elementwise, so the layout cannot change a bit (with foreach=False).
 ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
@@ -70,9 +70,8 @@ class BitwiseDataParallel:
     shard_optimizer: False keeps the whole fp32 vector and optimizer state on every rank (DDP);
     True keeps only this rank's shard of them (ZeRO-1/2 style), and gathers the weights after
     the step. Either way the weights are the same bits.
-    params: the trainable parameters in the flat vector's order (default: the model's order);
-    the order of the norm's blocks follows it (the engines' bitwise mode lays its buckets out in
-    the reverse of the model's order: pass that order to compare a clipped run with one bucket).
+    params: the trainable parameters in the flat vector's order (default: the model's order).
+    No bit depends on it: the sums are elementwise and the clip's norm is exact.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer, loss_fn, plan: ChunkPlan, *, precision: str = "fp32",
@@ -133,7 +132,7 @@ class BitwiseDataParallel:
             grad = (tree_reduce_scatter if self.shard_optimizer else tree_all_reduce)(local, self.comm)
         grad.mul_(1.0 / self.plan.num_chunks)   # the mean over chunks; C is a power of two: exact
         if self.max_grad_norm is not None:
-            sumsq = fixed_order_sum_of_squares(grad, self.layout.block, self.comm, sharded=self.shard_optimizer)
+            sumsq = exact_sum_of_squares(grad, self.comm, sharded=self.shard_optimizer)
             self.last_clip_coefficient = clip_coefficient(sumsq, self.max_grad_norm)
             grad.mul_(self.last_clip_coefficient)
         self.master.grad = grad

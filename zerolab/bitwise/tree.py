@@ -75,6 +75,10 @@ class TreeAccumulator:
         self._stack.append((size, node))
         self.added += 1
 
+    def partial_sums(self) -> list:
+        """The subtrees' sums held now (at most log2(count) + 1 of them)."""
+        return [node for _, node in self._stack]
+
     def result(self) -> torch.Tensor:
         """The root: the tree sum of all `count` leaves (count=None: of the leaves added, which
         must be a power of two of them)."""

@@ -124,7 +124,7 @@ class Engine(Step, EngineState, BitwiseMode):
         self.bitwise = opts.training.bitwise
         if self.bitwise and not self.takes_bitwise:
             raise ValueError(f"bitwise=True is not available on {type(self).__name__}: use zl.DDP, "
-                             "zl.ZeRO(stage=1 | 2) or zl.SingleProcess")
+                             "zl.ZeRO (any stage) or zl.SingleProcess")
         self._read_options(opts, model)
         model, self.compiled = compiled_parts(model)
         self._join(model, optimizer, opts)

@@ -67,7 +67,7 @@ class Training:
 
 
 BITWISE = """bitwise=True: the same weights and optimizer state, bit for bit (torch.equal), on 1, 2, 4
-or 8 ranks and on every engine that takes it (zl.SingleProcess, zl.DDP, zl.ZeRO(stage=1 | 2)),
+or 8 ranks and on every engine that takes it (zl.SingleProcess, zl.DDP, zl.ZeRO(stage=1 | 2 | 3)),
 on one machine, torch and kernel set (zerolab.bitwise says why each order is fixed).
 
 The contract:
@@ -78,30 +78,28 @@ The contract:
   grad_accum_steps //= world_size, loss = chunk_mean_loss / grad_accum_steps, and the data gives
   rank r its contiguous rows. The engine divides the sum by N, so the step's gradient is
   (1/C) * the fixed-tree sum of the chunks' mean gradients (K and N powers of two: exact);
-* nothing is reduced during backward: at the end of each backward the engine adds each bucket's
-  gradient (cast to fp32) into its tree (zerolab.bitwise.buckets.ChunkTrees) and frees p.grad
-  for the next chunk (so p.grad is None between backward and step, and the overlap= option has
-  nothing to overlap); no_sync() and require_backward_grad_sync are accepted and change
-  nothing (every backward is a chunk);
+* nothing is reduced during backward: as each backward ends, each bucket's gradient (ZeRO-3:
+  each unit's) is cast to fp32 and added into its tree (zerolab.bitwise.buckets.ChunkTrees), and
+  p.grad is freed for the next chunk; between backward and step p.grad holds a placeholder that
+  refuses to be read (engines.chunk_grad), and the overlap= option has nothing to overlap;
+  no_sync() and require_backward_grad_sync are accepted and change nothing;
 * at the step (or at engine.clip_grad_norm_, whichever comes first) the ranks agree on K (one
   small all-reduce: unequal or not a power of two is refused by name on every rank), then each
-  bucket goes up the fixed tree across ranks (DDP: tree_all_reduce; ZeRO-1/2: tree_reduce_scatter
-  into this rank's shard: ZeRO-2 keeps full gradient buckets during backward in this mode, as
-  ZeRO-1 does), divided by N;
-* buckets are padded to a multiple of N * 256 elements (the norm's block) and follow the
-  parameters' sizes, never N; clipping (max_grad_norm=, engine.clip_grad_norm_) takes the
-  fixed-order block norm bucket by bucket in bucket order (zerolab.bitwise.buckets.squared_norm)
-  and min(1, max_norm / (norm + 1e-6)) (zerolab.bitwise.norm.clip_coefficient).
-  torch.nn.utils.clip_grad_norm_(model.parameters()) sees no gradient in this mode (p.grad is
-  None between backward and step): use max_grad_norm= or engine.clip_grad_norm_;
+  tree goes up the fixed tree across ranks (DDP: tree_all_reduce; ZeRO: tree_reduce_scatter into
+  this rank's shard), divided by N. So in this mode ZeRO-2 and ZeRO-3 hold full gradients
+  between backward and step, as DDP does (parameters and optimizer state stay sharded);
+* clipping (max_grad_norm=, engine.clip_grad_norm_) takes the exact squared norm
+  (zerolab.bitwise.norm: integer sums, so no layout, bucket or shard can change a bit) and
+  min(1, max_norm / (norm + 1e-6)) (zerolab.bitwise.norm.clip_coefficient); torch's own
+  clip_grad_norm_(model.parameters()) is refused by p.grad's placeholders, by name;
 * the optimizer: SGD, Adam or AdamW (elementwise updates), stepped with torch's single-tensor
   kernels on every engine (its groups' foreach is set to False; foreach=True or fused=True is
   refused), so a parameter, a view of a flat buffer or a shard's piece gets the same arithmetic;
+  buckets are padded to a multiple of N * 256 elements, so every shard starts on the same
+  alignment;
 * precision 'fp32', or 'bf16' (bf16 compute, fp32 masters and fp32 sums); fp16 is refused;
 * refused by name too: a world size that is not a power of two, ranks with different numbers of
-  intra-op threads, NaiveDDP, ZeRO-3 (not yet), offload, a mesh (tensor parallelism).
-zl.SingleProcess(bitwise=True) lays its gradients out in the same buckets (bucket_mb=, which it
-takes in this mode only), so its norm adds in the same order as the data-parallel engines'.
+  intra-op threads, NaiveDDP, offload, a mesh (tensor parallelism), ZeRO++ and HSDP options.
 The default mode (bitwise=False) is untouched: the ring, overlapped, its bytes as they were."""
 
 
@@ -270,8 +268,10 @@ class EngineOptions:
                 raise ValueError("precision='fp16' with a mesh of mp > 1 is not supported: the mp "
                                  "ranks would not agree on overflow skips. Use 'fp32' or 'bf16'.")
         if t.bitwise:
-            if stage == 3:
-                raise ValueError("bitwise=True is not available on ZeRO-3 yet: use stage 1 or 2")
+            if z.given():
+                raise ValueError(f"bitwise=True with {', '.join(z.given())} is not supported: ZeRO++ "
+                                 "quantizes and HSDP reduces within a node first, so neither adds in the "
+                                 "fixed tree. Drop those options.")
             if r.mesh is not None:
                 raise ValueError("bitwise=True with a mesh is not supported: its ranks average over the "
                                  "dp group only, and the tree is laid over the whole world. Drop mesh=.")

@@ -57,6 +57,7 @@ from ...optim.param_views import ParamViews
 from ..setup import broadcast_from_rank0, join_data_parallel
 from ..state import flat_segments
 from . import zeropp
+from .chunks import UnitChunks
 from .schedule import UnitSchedule
 from .units import Unit, find_units, group_params, measure_peak
 
@@ -64,7 +65,7 @@ from .units import Unit, find_units, group_params, measure_peak
 # ------------------------------------------------------------------ the engine
 
 
-class ZeRO3(UnitSchedule, Engine):
+class ZeRO3(UnitChunks, UnitSchedule, Engine):
     """ZeRO stage 3: parameters, gradients and optimizer state sharded over the ranks.
 
     precision  "fp32" | "bf16" | "fp16": units are gathered, computed and reduce-scattered in
@@ -143,6 +144,8 @@ class ZeRO3(UnitSchedule, Engine):
         self._replaced: dict = {}       # id(meta parameter) -> the parameter that replaced it
         self._build_units(self._found, self._init_fn, self._replaced)
         self.masters = [u.master for u in self.units if u.master is not None]
+        if self.bitwise:                # each unit's chunks in its own tree (zero3.chunks)
+            self._start_chunk_trees()
 
     def _accumulator_of(self, p):
         return self.param_unit[id(p)].accumulators[id(p)]   # (taken while the unit was whole)
@@ -276,6 +279,8 @@ class ZeRO3(UnitSchedule, Engine):
 
     def _step_grads(self) -> list:
         mixed = self.precision.policy.needs_master
+        if self.bitwise:                # the chunks' trees across ranks: each unit's grad_shard
+            self._chunk_sum()
         for u, g in zip(self._trained(), self.owned_grads()):
             g = g if g is not None else torch.zeros_like(u.master)
             u.master.grad = g.float() if mixed else g
@@ -304,11 +309,15 @@ class ZeRO3(UnitSchedule, Engine):
             self.views.drop_grads()
         for u in self._trained():       # (fp32: the master's grad IS the gradient shard)
             u.master.grad = None
+        if self.bitwise:
+            self._summed = None
 
     def _release_grads(self):
         for u in self.units:
             u.grad_shard = None
             u.unused_positions = None
+        if self.bitwise:
+            self._forget_chunks()
 
     def _compute_shards(self) -> list:
         """The compute copy of each master shard (what forward gathers), in master order."""
@@ -355,6 +364,7 @@ class ZeRO3(UnitSchedule, Engine):
         params += [s for u in self.units for s in u.secondary.values()]     # hpZ
         grads = [u.grad_shard for u in self.units if u.grad_shard is not None]
         grads += [u.grad_full for u in self.units if u.grad_full is not None]
+        grads += self._chunk_tensors() if self.bitwise else []
         masters = [u.master for u in self.units if u.master is not None] \
             if self.precision.policy.needs_master else []
         return params, grads, masters + optimizer_tensors(self.optimizer)

@@ -204,7 +204,9 @@ class UnitSchedule:
         if u.reduced:
             return
         u.move_grads(GradState.REDUCING)
-        if "train" in u.buckets:
+        if "train" in u.buckets and self.bitwise:     # a chunk: into the unit's tree (zero3.chunks)
+            self._add_unit_chunk(u)
+        elif "train" in u.buckets:
             u.reduce_scatter()
             self._reducing.append(u)
         if not self._held_for_graph:
@@ -250,3 +252,5 @@ class UnitSchedule:
             k += n_train
             if u.reduced:
                 u.move_grads(GradState.REDUCED)     # (a unit no backward reached stays WAITING)
+        if self.bitwise:
+            self._end_chunk()
