@@ -230,6 +230,60 @@ def test_the_default_mode_and_a_planted_break_are_not_the_same_bits():
             assert not same_weights(zl.launch(worker, n, args=(case,))[0], one), f"{worker.__name__} at N={n}"
 
 
+# ------------------------------------------------------------------ the script's own optimizer
+
+
+def script_optimizer_run(optimizer_kind):
+    """zl.DDP(model, bitwise=True) with no optimizer of its own, as torch's DDP, and the script's:
+    zl.ShardedOptimizer(bitwise=True), or torch's AdamW ("single": zl.SingleProcess(bitwise=True)
+    and its optimizer, the reference). nanoGPT's loop: require_backward_grad_sync on the last
+    chunk, loss.backward(), optimizer.step(), optimizer.zero_grad()."""
+    n, r = zl.world_size(), zl.rank()
+    model, data, loss_fn, rows = build("gpt", 0 if r == 0 else 100 + r)
+    K = CHUNKS // n
+    if optimizer_kind == "single":
+        engine = zl.SingleProcess(model, ADAMW, bitwise=True)
+        optimizer = engine.optimizer
+    else:
+        engine = zl.DDP(model, bitwise=True)
+        optimizer = zl.ShardedOptimizer(model.parameters(), torch.optim.AdamW, bitwise=True, lr=3e-3,
+                                        weight_decay=0.1) if optimizer_kind == "sharded" \
+            else ADAMW(model.parameters(), foreach=False)
+    for step in range(STEPS):
+        batch = data.global_batch(step, rows)
+        for k in range(K):
+            engine.require_backward_grad_sync = k == K - 1
+            (loss_fn(engine, chunk_of(batch, r * K + k, rows))[1] / K).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    weights = engine.full_state_dict() if optimizer_kind == "single" else \
+        {k: v.detach().clone() for k, v in model.named_parameters()}
+    # forgetting zero_grad() after a step is refused by name at the next backward
+    (loss_fn(engine, chunk_of(data.global_batch(0, rows), r * K, rows))[1] / K).backward()
+    if optimizer_kind != "single":
+        optimizer.step()
+    try:
+        (loss_fn(engine, chunk_of(data.global_batch(0, rows), r * K, rows))[1] / K).backward()
+        said = "no error"
+    except RuntimeError as e:
+        said = str(e)
+    return weights, said
+
+
+def script_optimizer_worker():
+    return {kind: script_optimizer_run(kind) for kind in ("sharded", "torch")}
+
+
+@pytest.mark.slow
+def test_ddp_without_optimizer_beside_the_scripts_optimizer_is_the_same_bits():
+    reference = zl.launch(script_optimizer_run, 1, args=("single",))[0][0]
+    for n in (1, 2, 4):
+        for r, out in enumerate(zl.launch(script_optimizer_worker, n)):
+            for kind, (weights, said) in out.items():
+                assert same_weights(weights, reference), f"{kind} at N={n}, rank {r}"
+                assert "call optimizer.zero_grad() after each step" in said, (kind, said)
+
+
 # ------------------------------------------------------------------ refusals
 
 
@@ -251,6 +305,10 @@ def test_refusals_by_name_at_construction():
         zl.SingleProcess(mlp(), functools.partial(torch.optim.AdamW, foreach=True), bitwise=True)
     with pytest.raises(TypeError, match="bucket_mb only with bitwise=True"):
         zl.SingleProcess(mlp(), ADAMW, bucket_mb=1.0)
+    with pytest.raises(ValueError, match="Adafactor is not one of SGD, Adam, AdamW"):
+        zl.ShardedOptimizer(mlp().parameters(), torch.optim.Adafactor, bitwise=True)
+    with pytest.raises(ValueError, match="foreach=False"):
+        zl.ShardedOptimizer(mlp().parameters(), torch.optim.AdamW, bitwise=True, foreach=True)
     with pytest.raises(ValueError, match="bitwise=True with offload='optimizer'"):
         zl.ZeRO(mlp(), ADAMW, stage=1, offload="optimizer", bitwise=True)
 

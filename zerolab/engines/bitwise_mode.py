@@ -40,9 +40,17 @@ class BitwiseMode:
         chunk_grad.hand_out(self._trainable())
         self._placeholders_out = True
 
+    _sums_out = False           # does p.grad hold the step's sums (zl.DDP without an optimizer)?
+
     def _take_back_placeholders(self) -> None:
         """Before the next chunk's backward: the placeholders go; the script removed them all
         (model.zero_grad(), p.grad = None): it zeroed the step's chunks so far."""
+        if self._sums_out:          # the last step's sums must be gone: they are not a chunk
+            if any(p.grad is not None for p in self._trainable()):
+                raise RuntimeError("bitwise=True: p.grad still holds the last step's gradients at this "
+                                   "backward; call optimizer.zero_grad() after each step (under bitwise=True "
+                                   "each backward is one chunk of a new step, not an addition to p.grad)")
+            self._sums_out = False
         if self._placeholders_out:
             self._placeholders_out = False
             if chunk_grad.take_back(self._trainable()) == "zeroed":

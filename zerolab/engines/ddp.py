@@ -282,6 +282,22 @@ class DDP(NaiveDDP):
                     leaf[bucket.offsets[i]:bucket.offsets[i] + bucket.sizes[i]].zero_()
             leaves.append(leaf)
         self._chunk_done(leaves)
+        if self.optimizer is None and self.life.sync:
+            self._write_sums()
+
+    def _write_sums(self) -> None:
+        """bitwise=True beside the script's own optimizer (zl.DDP(model) with no optimizer, as
+        torch's DDP): a synced backward ends the step's chunks (nanoGPT's
+        require_backward_grad_sync), so p.grad gets the fixed tree's average now, a parameter no
+        rank reached keeps None. The script zeroes them before the next step's chunks."""
+        self._clear_placeholders()
+        for bucket, total in zip(self.buckets.buckets, self._chunk_sum()):
+            for i, p in enumerate(bucket.params):
+                if self._slot[id(p)][2] not in self._unused:
+                    piece = total[bucket.offsets[i]:bucket.offsets[i] + bucket.sizes[i]]
+                    p.grad = piece.view(p.shape).to(p.dtype)
+        self._summed = None
+        self._sums_out = True
 
     def _chunk_sum(self) -> list:
         if self._summed is None:

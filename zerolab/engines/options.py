@@ -88,6 +88,10 @@ The contract:
   tree goes up the fixed tree across ranks (DDP: tree_all_reduce; ZeRO: tree_reduce_scatter into
   this rank's shard), divided by N. So in this mode ZeRO-2 and ZeRO-3 hold full gradients
   between backward and step, as DDP does (parameters and optimizer state stay sharded);
+* zl.DDP(model, bitwise=True) with no optimizer, beside the script's own (torch's SGD/AdamW
+  with foreach=False, or zl.ShardedOptimizer(..., bitwise=True)), as with torch's DDP: the
+  synced backward (require_backward_grad_sync, outside no_sync) ends the step's chunks and
+  writes the tree's average into p.grad; the script zeroes it after each step (refused if not);
 * clipping (max_grad_norm=, engine.clip_grad_norm_) takes the exact squared norm
   (zerolab.bitwise.norm: integer sums, so no layout, bucket or shard can change a bit) and
   min(1, max_norm / (norm + 1e-6)) (zerolab.bitwise.norm.clip_coefficient); torch's own

@@ -67,6 +67,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..buckets import Bucket
 from ..runtime.comm import Ledger
+from ..bitwise.trainer import check_elementwise_optimizer
 from . import whole_matrix
 from .param_views import ParamViews, gather_bytes
 
@@ -76,9 +77,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     params, **defaults: as torch.optim's (parameter groups included); optimizer_class: an
     torch optimizer class (Muon and Adafactor too); process_group: the ranks that share the state (default:
-    the world). Outside torch.distributed it is the plain optimizer with one rank."""
+    the world). Outside torch.distributed it is the plain optimizer with one rank.
+    bitwise=True: beside zl.DDP(model, bitwise=True), the same weights at any N (engines.options.
+    BITWISE): SGD, Adam or AdamW only, stepped with single-tensor kernels (foreach, fused refused),
+    so each rank's slice gets the bits the whole tensor would."""
 
-    def __init__(self, params, optimizer_class, *, process_group=None, **defaults):
+    def __init__(self, params, optimizer_class, *, process_group=None, bitwise: bool = False, **defaults):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class must be a torch.optim.Optimizer class such as "
                             f"torch.optim.AdamW, got {optimizer_class!r}")
@@ -89,6 +93,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         # stand-in, before any parameter moves into a flat buffer
         optimizer_class([torch.zeros(1, 1, requires_grad=True)], **defaults)   # (2-D: Muon takes matrices only)
         self.optimizer_class = optimizer_class
+        self.bitwise = bitwise          # the same bits at any N: see _build_inner
         self.comm = Ledger(group=process_group)
         self.group = process_group
         self.world_size = dist.get_world_size(process_group) if dist.is_initialized() else 1
@@ -177,6 +182,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         groups = [{**self._hyper(i), "params": [self.views.view_of[id(p)] for p in g["params"]]}
                   for i, g in enumerate(self.param_groups)]
         self.optim = self.optimizer_class(groups)
+        if self.bitwise:    # an elementwise update with single-tensor kernels: a slice gets the whole's bits
+            check_elementwise_optimizer(self.optim)
         if self._carried:
             fresh = self.optim.state_dict()
             self.optim.load_state_dict({"state": self.views.shard(self._carried, fresh["param_groups"]),
