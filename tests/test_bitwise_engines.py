@@ -284,6 +284,23 @@ def test_ddp_without_optimizer_beside_the_scripts_optimizer_is_the_same_bits():
                 assert "call optimizer.zero_grad() after each step" in said, (kind, said)
 
 
+def test_memory_report_counts_the_trees_partial_sums():
+    """ZeRO-3 in the mode holds each unit's fp32 tree between backward and step: one full-size
+    partial sum after 1 or 2 chunks, two after 3 (a subtree of 2 and a leaf). The closed form:
+    that many times 4 bytes per (padded) trained element."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # (zl.ZeRO alone: "trains as one rank")
+        model, data, loss_fn, rows = build("gpt", 0)
+        engine = zl.ZeRO(model, ADAMW, stage=3, bitwise=True)
+    padded = sum(u.buckets["train"].padded_numel for u in engine.units if "train" in u.buckets)
+    batch = data.global_batch(0, rows)
+    for k, held in enumerate((1, 1, 2)):
+        loss_fn(engine, chunk_of(batch, k, rows))[1].backward()
+        assert engine.memory_report()["grads"] == held * 4 * padded, k
+    engine.optimizer.zero_grad()
+    assert engine.memory_report()["grads"] == 0
+
+
 # ------------------------------------------------------------------ refusals
 
 

@@ -67,6 +67,12 @@ class BitwiseMode:
             self._placeholders_out = False
             chunk_grad.clear(self._trainable())
 
+    def _chunk_tensors(self) -> list:
+        """The gradients the mode holds now: the trees' partial sums, and the step's sums."""
+        if not self.bitwise:
+            return []
+        return self._trees.held() + list(self._summed or [])
+
     def _chunk_norm(self) -> float:
         """The norm of the step's gradient, the chunks' sum, added in the fixed order."""
         return float(fixed_order_norm(self._chunk_sum(), self.comm, self.sharded).sqrt())

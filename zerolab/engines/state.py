@@ -70,6 +70,7 @@ class EngineState:
         forward; None where the engine does not track them)."""
         self._zero_grad_seen(disarm=False)     # (the script's zero_grad() freed what it held)
         params, grads, optimizer = self._memory_tensors()
+        grads = grads + self._chunk_tensors()   # (bitwise=True: the chunks' trees)
         out = {"params": live_bytes(params), "grads": live_bytes(grads, exclude=params),
                "optimizer": live_bytes(optimizer, exclude=params + grads)}
         out["total"] = out["params"] + out["grads"] + out["optimizer"]

@@ -67,7 +67,3 @@ class UnitChunks:
         """zero_grad(): the chunks added since the last step go."""
         self._trees.reset()
         self._chunks_ended, self._summed = 0, None
-
-    def _chunk_tensors(self) -> list:
-        """What the trees hold now (memory_report counts it with the gradients)."""
-        return self._trees.held()

@@ -364,7 +364,6 @@ class ZeRO3(UnitChunks, UnitSchedule, Engine):
         params += [s for u in self.units for s in u.secondary.values()]     # hpZ
         grads = [u.grad_shard for u in self.units if u.grad_shard is not None]
         grads += [u.grad_full for u in self.units if u.grad_full is not None]
-        grads += self._chunk_tensors() if self.bitwise else []
         masters = [u.master for u in self.units if u.master is not None] \
             if self.precision.policy.needs_master else []
         return params, grads, masters + optimizer_tensors(self.optimizer)
