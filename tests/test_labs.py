@@ -3,8 +3,9 @@ with the failure it was planted for, and its own message.
 
 Everything below is graded in ONE run (zerolab.labs.grade_cases: one launch per world size, the
 cases in turn in the same ranks), because starting ranks that build an engine costs seconds:
-every lab's reference, every planted mistake, the untouched stub files of labs/, and two student
-files written here (one that crashes, one that does not import). The tests read its reports.
+every lab's reference, every planted mistake, the untouched stub files of labs/, two student
+files written here (one that crashes, one that does not import), and the exact path of each lab
+whose engine has a bitwise mode (zerolab.labs.exact). The tests read its reports.
 """
 
 import inspect
@@ -12,10 +13,12 @@ import os
 import textwrap
 
 import pytest
+import torch
 
 import tolerances
 from test_lab8_compiled import DIAGNOSES_COMPILED
-from zerolab.labs import LABS, grade_cases
+from zerolab.labs import LABS, exact, grade_cases
+from zerolab.labs.lab import Wrong
 from zerolab.labs.__main__ import main as labs_cli
 from zerolab.labs.worker import load_lab
 
@@ -153,6 +156,8 @@ def reports(tmp_path_factory) -> dict:
         cases.append((name, ("reference", None)))
         cases += [(name, ("mistake", m.name)) for m in lab.mistakes]
         cases.append((name, ("file", os.path.join(LABS_DIR, lab.stub_file))))
+        if exact.engine_of(lab) is not None:
+            cases.append((name, ("bitwise", None)))
     cases += [("ddp", ("file", crashing)), ("ddp", ("file", broken)),
               ("ddp", ("file", os.path.join(tmp, "empty_ddp.py"))),
               ("zero1", ("file", os.path.join(tmp, "no_flat_masters.py"))),
@@ -518,10 +523,59 @@ def test_the_labs_tolerances_are_the_parity_tests():
                 assert tolerances.adam_roundoff_step(g32, g64) < tolerances.ADAM_ROUNDOFF_STEP
 
 
+BITWISE_LABS = [name for name in LABS if exact.engine_of(load_lab(name)) is not None]
+
+
+def test_the_labs_with_an_exact_path():
+    """Labs 3 to 5 grade a copy of zl.DDP, ZeRO-1 and ZeRO-2, which have the bitwise mode; lab 6's
+    ZeRO-3 joins the day zl.ZeRO(stage=3) takes bitwise=True (its parity keeps the tolerance till then)."""
+    assert {"ddp", "zero1", "zero2"} <= set(BITWISE_LABS) <= {"ddp", "zero1", "zero2", "zero3"}
+
+
+@pytest.mark.parametrize("name", BITWISE_LABS)
+def test_the_parity_checks_premise_is_exact_in_bitwise_mode(reports, name):
+    """The parity check's tolerance stands for the order of addition alone: with bitwise=True the
+    library's engine, on the lab's model, data and schedule (PyTorch's loop, no_sync, accumulation),
+    ends every step with weights and AdamW state torch.equal to zl.SingleProcess(bitwise=True)."""
+    report = reports[(name, "bitwise", None)]
+    assert report.passed, str(report)
+    assert [v.check for v in report.verdicts] == ["it runs", exact.EXACT]
+    assert "torch.equal" in report.verdicts[1].line and "3 steps" in report.verdicts[1].line
+
+
+def _exact_run(w):
+    step = {"weights": {"out.bias": w}, "state": {0: {"step": torch.tensor(1.0), "exp_avg": w}}}
+    return {"rank": 0, "n": 2, "engine": "zl.DDP", "steps": [step], "one": None}
+
+
+def test_the_exact_check_sees_one_unit_in_the_last_place():
+    """A weight one ulp away from one process's fails the exact check (where the parity check's
+    tolerance would pass it), and the message names the tensor, the element and both values."""
+    w = torch.linspace(-1, 1, 5)
+    run = _exact_run(w.clone())
+    run["one"] = [_exact_run(w.clone())["steps"][0]]
+    assert "torch.equal" in exact.check([run])
+    nudged = w.clone()
+    nudged[3] = torch.nextafter(nudged[3], torch.tensor(2.0))
+    assert float((nudged - w).abs().max()) < 1e-6          # (well inside the parity check's tolerance)
+    bad = _exact_run(nudged)
+    bad["one"] = run["one"]
+    with pytest.raises(Wrong) as info:
+        exact.check([bad])
+    assert info.value.key == "not_exact" and info.value.step == 0
+    assert "the weight out.bias" in info.value.what and "in 1 of its 5 elements; element 3" in info.value.what
+    assert "expected 0.5, seen 0.5000001." in info.value.what, info.value.what
+
+
 def test_the_command_line_lists_the_labs(capsys):
     assert labs_cli(["list"]) == 0
     out = capsys.readouterr().out
     assert all(f"labs/{load_lab(name).stub_file}" in out for name in LABS)
+
+
+def test_the_command_line_refuses_an_exact_path_a_lab_lacks(capsys):
+    assert labs_cli(["grade", "ring", "--bitwise"]) == 2
+    assert "lab 1 has no exact path" in capsys.readouterr().err
 
 
 def test_grade_refuses_an_ambiguous_call():
@@ -530,3 +584,7 @@ def test_grade_refuses_an_ambiguous_call():
         grade("ddp", "lab3_ddp.py", reference=True)
     with pytest.raises(ValueError, match="unknown lab"):
         grade("zero4", reference=True)
+    with pytest.raises(ValueError, match="give the path of your file"):
+        grade("ddp", reference=True, bitwise=True)
+    with pytest.raises(ValueError, match="lab 1 has no exact path: it grades no engine"):
+        grade("ring", bitwise=True)

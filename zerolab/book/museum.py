@@ -6,7 +6,12 @@ the fix, and returns numbers only: weights, norms, bytes, counts. The parent com
 one process on the global batch or with a closed form; nothing here prints.
 
     diverge            a rank runs one more micro-batch than the other (a hang, named at once)
-    run_exhibits       every other exhibit in one launch, a dict per exhibit
+    run_exhibits       every other exhibit in one launch, a dict per exhibit (bitwise=True: and
+                       bitwise_exhibit's)
+
+The exhibits run the default mode, as the users did, and are judged within round-off of one process
+on the global batch. Two fixes also run with bitwise=True (bitwise_exhibit), where the reference is
+one process adding the same chunks in the same fixed tree, and the weights are torch.equal.
 """
 
 from __future__ import annotations
@@ -231,10 +236,38 @@ def checkpoint_exhibit(path: str) -> dict:
             "full": _weights(engine)}
 
 
-def run_exhibits(root: str) -> dict:
-    """Every exhibit but the hang, in one launch (each builds its own engine)."""
-    return {"diverge on torch DDP": diverge_on_torch_ddp(), "lamb": lamb_exhibit(), "clip": clip_exhibit(),
+def bitwise_exhibit(root: str) -> dict:
+    """Two fixes again with bitwise=True (engines.options.BITWISE): the token-weighted loss on
+    zl.ZeRO(stage=2) (two micro-batches a rank: chunk 2 r + m), and ZeRO-2 trained two steps,
+    saved as a sharded checkpoint and consolidated. Judged bit for bit against
+    museum_reference.tokens_chunked and mlp_chunked; the tolerance of the default-mode exhibits is
+    the order of addition alone."""
+    r = dist.get_rank()
+    engine = zl.ZeRO(ref.tiny_lm(), SGD, stage=2, bitwise=True)
+    batches = [ref.token_batch(r, m) for m in range(2)]
+    tokens = zl.count_tokens([labels for _, labels in batches], engine.comm)
+    for ids, labels in batches:
+        engine.backward(zl.token_weighted_loss(engine(ids), labels, tokens))
+    engine.step()
+    out = {"tokens": _weights(engine)}
+    engine = zl.ZeRO(ref.mlp(), SGD, stage=2, bitwise=True)
+    for step in range(2):
+        engine.backward(engine(ref.inputs(step, 0, r)).pow(2).mean())
+        engine.step()
+        engine.zero_grad()
+    zl.checkpoint.save(engine, os.path.join(root, "ckpt-bitwise"))
+    out["checkpoint"] = _weights(engine)
+    return out
+
+
+def run_exhibits(root: str, bitwise: bool = False) -> dict:
+    """Every exhibit but the hang, in one launch (each builds its own engine); bitwise=True adds
+    bitwise_exhibit's two fixes under "bitwise"."""
+    out = {"diverge on torch DDP": diverge_on_torch_ddp(), "lamb": lamb_exhibit(), "clip": clip_exhibit(),
             "tokens": {(kind, fixed): token_exhibit(kind, fixed)
                        for kind in ("zerolab", "torch DDP") for fixed in (False, True)},
             "twice": twice_exhibit(), "memory": memory_exhibit(),
             "checkpoint": checkpoint_exhibit(os.path.join(root, "ckpt"))}
+    if bitwise:
+        out["bitwise"] = bitwise_exhibit(root)
+    return out

@@ -94,6 +94,35 @@ def one_process(model: nn.Module, optimizer, batches, steps: int, loss=None, cli
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def tree_sum(tensors: list) -> torch.Tensor:
+    """The tensors added in one fixed binary tree, neighbours first: ((t0 + t1) + (t2 + t3)). Their
+    number is a power of two."""
+    while len(tensors) > 1:
+        tensors = [tensors[i] + tensors[i + 1] for i in range(0, len(tensors), 2)]
+    return tensors[0]
+
+
+def chunked_step(model: nn.Module, chunk_losses: list, divide_by: int = 1) -> None:
+    """One SGD step (lr 0.1) in one process as the bitwise mode computes it: each chunk's loss
+    backward on its own, the gradients added in the fixed tree over chunks (tree_sum), divided by
+    `divide_by`, then PyTorch's own single-tensor SGD. chunk_losses: loss(model) per chunk, in order."""
+    params = list(model.parameters())
+    grads = [torch.autograd.grad(loss(model), params) for loss in chunk_losses]
+    for i, p in enumerate(params):
+        p.grad = tree_sum([g[i] for g in grads]) / divide_by
+    torch.optim.SGD(params, lr=0.1, foreach=False).step()
+
+
+def mlp_chunked(steps: int) -> dict:
+    """mlp_one_process with the global batch cut into its WORLD chunks (rank r's rows are chunk r),
+    added in the fixed tree: what zl.ZeRO(stage=2, bitwise=True) must equal bit for bit."""
+    model = mlp()
+    for step in range(steps):
+        chunk_losses = [lambda m, r=r: m(inputs(step, 0, r)).pow(2).mean() for r in range(WORLD)]
+        chunked_step(model, chunk_losses, divide_by=WORLD)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def lamb_one_process(steps: int = 2) -> dict:
     model = mlp()
     return one_process(model, Lamb(model.parameters(), lr=0.05), global_batch, steps)
@@ -205,6 +234,20 @@ def tokens_one_process() -> tuple:
     F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)).backward()   # mean over tokens that count
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     return int((labels != -100).sum()), {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def tokens_chunked() -> dict:
+    """tokens_one_process with each micro-batch a chunk (chunk 2 r + m: rank r's micro-batch m),
+    each weighted by its tokens that count over the step's, added in the fixed tree."""
+    model = tiny_lm()
+    batches = [token_batch(r, m) for r in range(WORLD) for m in range(2)]
+    total = sum(int((labels != -100).sum()) for _, labels in batches)
+
+    def loss(ids, labels):
+        # (times 1 / total, as the token-weighted loss scales: dividing by total rounds otherwise)
+        return lambda m: F.cross_entropy(m(ids).reshape(-1, VOCAB), labels.reshape(-1), reduction="sum") * (1 / total)
+    chunked_step(model, [loss(ids, labels) for ids, labels in batches])
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 # ------------------------------------------------------------------ a layer used twice, checkpointed

@@ -22,6 +22,8 @@ section to re-read.
     python -m zerolab.labs list
     python -m zerolab.labs grade ddp labs/lab3_ddp.py
     python -m zerolab.labs grade ddp --reference        # the library's own code: the solution
+    python -m zerolab.labs grade ddp --bitwise          # the library's engine with bitwise=True is
+                                                        # one process bit for bit (zerolab.labs.exact)
 
     from zerolab.labs import grade
     grade("ddp", "lab3_ddp.py")                          # in a notebook

@@ -214,7 +214,8 @@ def overlap(ranks) -> str:
 
 
 LAB = Lab(
-    name="ddp", number=3, title="bucketed DDP, overlapped with backward", chapter="chapter 5, Data parallelism",
+    name="ddp", engine="ddp", number=3, title="bucketed DDP, overlapped with backward",
+    chapter="chapter 5, Data parallelism",
     stub_file="lab3_ddp.py", world_size=2,
     roles={"engine": DDPLab}, reference={"engine": ReferenceDDP}, measure=measure,
     checks=(Check(PROTOCOL, None, SECTION, "no bucket launched early or out of order, none left in flight"),

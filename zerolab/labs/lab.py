@@ -78,6 +78,9 @@ class Lab:
     # a Wrong key -> the seams (method or function names) whose code a failure of that kind comes
     # from: the report names their lines in the graded file (zerolab.labs.runner.written_in)
     blame: dict = field(default_factory=dict)
+    # the library engine (a zerolab.engines.make name) the graded engine is a copy of: if it has a
+    # bitwise mode, grade(name, bitwise=True) shows the parity check's premise exact (zerolab.labs.exact)
+    engine: str = ""
 
     @property
     def mistakes(self) -> tuple:

@@ -4,6 +4,7 @@ order, and explain the first thing wrong.
     grade("ddp", "lab3_ddp.py")            # a student's file
     grade("ddp", reference=True)           # the library's own code (the solution)
     grade("ddp", mistake="no_divide")      # a planted mistake
+    grade("ddp", bitwise=True)             # the library's engine, bitwise=True, against one process, torch.equal
     grade_many("ddp", specs)               # several, in one launch
     grade_cases([("ddp", spec), ...])      # several labs' cases, one launch per world size (the tests)
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 from ..launch import launch
 from ..launch import LaunchError
+from . import exact
 from .lab import Wrong
 from .overlap import defined_at
 from .plugins import FileProblem, for_spec
@@ -83,14 +85,19 @@ def _indent(text: str, n: int) -> list:
 
 
 def grade(name: str, path: str | None = None, *, reference: bool = False, mistake: str | None = None,
-          show: bool = True) -> Report:
+          bitwise: bool = False, show: bool = True) -> Report:
     """Grade lab `name`: the student's file at `path`, or the library's own code (reference=True),
-    or a planted mistake. Prints the report (show=False: only returns it)."""
+    or a planted mistake; or (bitwise=True) show the parity check's premise exact: the library's
+    engine with bitwise=True against one process, torch.equal (zerolab.labs.exact). Prints the
+    report (show=False: only returns it)."""
     lab = load_lab(name)
-    if sum((path is not None, reference, mistake is not None)) != 1:
+    if sum((path is not None, reference, mistake is not None, bitwise)) != 1:
         raise ValueError(f"grade({name!r}, ...): give the path of your file (labs/{lab.stub_file}), "
-                         "or reference=True, or mistake=NAME")
-    spec = ("reference", None) if reference else ("mistake", mistake) if mistake else ("file", os.path.abspath(path))
+                         "or reference=True, or mistake=NAME, or bitwise=True")
+    if bitwise and exact.engine_of(lab) is None:
+        raise ValueError(f"grade({name!r}, bitwise=True): lab {lab.number} has no exact path: {exact.no_path(lab)}")
+    spec = ("reference", None) if reference else ("mistake", mistake) if mistake else ("bitwise", None) if bitwise \
+        else ("file", os.path.abspath(path))
     report = grade_many(name, [spec])[0]
     if show:
         print(report)
@@ -103,6 +110,8 @@ def describe_spec(lab, spec) -> str:
         return "the library's own code (the solution)"
     if kind == "mistake":
         return f"planted mistake {arg!r} ({lab.mistake(arg).story})"
+    if kind == "bitwise":
+        return f"the library's engine ({exact.NAMES[lab.engine]}) with bitwise=True, against one process"
     return f"grading {os.path.basename(arg)}"
 
 
@@ -139,18 +148,20 @@ def grade_cases(cases: list) -> list:
             results.update({c: [{"data": None, "error": {"launch": str(exc)}}] * size for c in order})
     for report, case in zip(reports, cases):
         if case in results:
-            report.verdicts = evaluate(labs[case[0]], results[case], plugins.get(case))
+            checks = exact.CHECKS if case[1][0] == "bitwise" else None
+            report.verdicts = evaluate(labs[case[0]], results[case], plugins.get(case), checks)
     return reports
 
 
 # ------------------------------------------------------------------ from measurements to verdicts
 
 
-def evaluate(lab, ranks: list, plugin: dict | None = None) -> list:
-    """The verdicts of one graded run, from every rank's result, in the lab's order; each failure
-    names the graded code it comes from (written_in), given the plugin that was graded."""
-    verdicts = _evaluate(lab, ranks)
-    if plugin is not None:
+def evaluate(lab, ranks: list, plugin: dict | None = None, checks=None) -> list:
+    """The verdicts of one graded run, from every rank's result, in the lab's order (or `checks`'
+    order: the exact path's); each failure names the graded code it comes from (written_in), given
+    the plugin that was graded."""
+    verdicts = _evaluate(lab, ranks, lab.checks if checks is None else checks)
+    if plugin:
         for v in verdicts:
             if v.status == "FAIL":
                 v.where = written_in(lab, plugin, v)
@@ -183,17 +194,17 @@ def _seam(lab, plugin: dict, name: str) -> tuple:
     return None, None
 
 
-def _evaluate(lab, ranks: list) -> list:
+def _evaluate(lab, ranks: list, checks) -> list:
     failure = _run_failure(ranks)
     if failure is not None:                       # it crashed, hung, or never started
         key, line, hint = failure
         return [Verdict("it runs", "FAIL", line, hint, "the lab's brief, and the stubs' docstrings", key)] + \
-               [Verdict(c.title, "----", "not checked: the run did not finish") for c in lab.checks]
-    stop = _first_stop(lab, ranks)
+               [Verdict(c.title, "----", "not checked: the run did not finish") for c in checks]
+    stop = _first_stop(checks, ranks)
     verdicts = [Verdict("it runs", "PASS", "no error and no hang on any rank" if stop is None else
                         "no error and no hang, until the grader stopped the run (below)")]
     stopped = False
-    for check in lab.checks:
+    for check in checks:
         if stop is not None and check.title == stop[0]:
             _, key, what, hint = stop
             verdicts.append(Verdict(check.title, "FAIL", what, hint, check.section, key))
@@ -207,9 +218,9 @@ def _evaluate(lab, ranks: list) -> list:
     return verdicts
 
 
-def _first_stop(lab, ranks: list):
+def _first_stop(checks, ranks: list):
     """The Stop raised on some rank for the earliest check in the lab's order, or None."""
-    titles = [c.title for c in lab.checks]
+    titles = [c.title for c in checks]
     stops = [r["error"]["stop"] for r in ranks if r["error"] and "stop" in r["error"]]
     return min(stops, key=lambda s: titles.index(s[0])) if stops else None
 

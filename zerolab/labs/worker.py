@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import comm, watchdog
+from . import exact
 from .engine_run import StubCalled
 from .lab import LABS, Stop
 from .plugins import FileProblem, GradedCode, class_line, for_spec
@@ -45,7 +46,8 @@ def run_cases(cases: list, timeouts: list) -> list:
         plugin = None
         try:
             plugin = for_spec(lab, spec)
-            results.append({"data": lab.measure(plugin), "error": None})
+            data = exact.measure(lab) if spec[0] == "bitwise" else lab.measure(plugin)
+            results.append({"data": data, "error": None})
         except Exception as exc:    # noqa: BLE001 - everything the graded code raises is reported
             results.append({"data": None, "error": describe(exc, lab, plugin)})
         if not _still_in_step(i, timeout):

@@ -152,7 +152,7 @@ def memory(ranks) -> str:
 
 
 LAB = Lab(
-    name="zero1", number=4, title="ZeRO-1", chapter="chapter 6, ZeRO-1",
+    name="zero1", engine="zero1", number=4, title="ZeRO-1", chapter="chapter 6, ZeRO-1",
     stub_file="lab4_zero1.py", world_size=2,
     roles={"engine": ZeRO1Lab}, reference={"engine": ReferenceZeRO1}, measure=measure,
     checks=(Check(OWNERSHIP, None, 'chapter 6, "The idea" (who owns what)',

@@ -219,7 +219,7 @@ def overlap(ranks) -> str:
 
 
 LAB = Lab(
-    name="zero2", number=5, title="ZeRO-2", chapter="chapter 7, ZeRO-2",
+    name="zero2", engine="zero2", number=5, title="ZeRO-2", chapter="chapter 7, ZeRO-2",
     stub_file="lab5_zero2.py", world_size=2,
     roles={"engine": ZeRO2Lab}, reference={"engine": ReferenceZeRO2}, measure=measure,
     checks=(Check(POOL, None, 'chapter 7, "The idea" (step 3)',

@@ -456,7 +456,7 @@ def _check_prefetch(events, phase, step, rank, prefetch, at):
 
 
 LAB = Lab(
-    name="zero3", number=6, title="ZeRO-3", chapter="chapter 8, ZeRO-3",
+    name="zero3", engine="zero3", number=6, title="ZeRO-3", chapter="chapter 8, ZeRO-3",
     stub_file="lab6_zero3.py", world_size=2,
     roles={"unit": UnitLab, "engine": ZeRO3Lab}, reference={"unit": ReferenceUnit, "engine": ReferenceZeRO3},
     measure=measure,
