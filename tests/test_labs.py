@@ -527,9 +527,8 @@ BITWISE_LABS = [name for name in LABS if exact.engine_of(load_lab(name)) is not 
 
 
 def test_the_labs_with_an_exact_path():
-    """Labs 3 to 5 grade a copy of zl.DDP, ZeRO-1 and ZeRO-2, which have the bitwise mode; lab 6's
-    ZeRO-3 joins the day zl.ZeRO(stage=3) takes bitwise=True (its parity keeps the tolerance till then)."""
-    assert {"ddp", "zero1", "zero2"} <= set(BITWISE_LABS) <= {"ddp", "zero1", "zero2", "zero3"}
+    """Labs 3 to 6 grade a copy of zl.DDP and ZeRO-1, 2 and 3, which all have the bitwise mode."""
+    assert set(BITWISE_LABS) == {"ddp", "zero1", "zero2", "zero3"}
 
 
 @pytest.mark.parametrize("name", BITWISE_LABS)

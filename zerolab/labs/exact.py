@@ -3,7 +3,7 @@
 The parity checks (zerolab.labs.checks) let a correct engine differ from one process by round-off,
 because a rank sums its own rows and the all-reduce adds the ranks' sums: the same numbers added in
 another order. That tolerance stands for the order of addition alone. This path proves it: the
-library's own engine of a lab (zl.DDP, zl.ZeRO(stage=1 | 2)) trains the lab's model and schedule
+library's own engine of a lab (zl.DDP, zl.ZeRO(stage=1 | 2 | 3)) trains the lab's model and schedule
 with bitwise=True (engines.options.BITWISE: every order of addition fixed), and after every step
 each rank's weights and AdamW state are torch.equal to zl.SingleProcess(bitwise=True) on the same
 chunks in one process. No tolerance.
@@ -13,8 +13,7 @@ chunks in one process. No tolerance.
 
 Only the library's engine runs this way, never the graded code: a student's reducer all-reduces in
 the ring's order, so its check keeps the tolerance. Labs whose engine has no bitwise mode have no
-exact path: lab 6 (zl.ZeRO(stage=3) has no bitwise mode yet: it joins when it has, see engine_of),
-lab 1 (a ring of integers, compared exactly already), lab 2 (fp16's loss scaler: the bitwise mode
+exact path: lab 1 (a ring of integers, compared exactly already), lab 2 (fp16's loss scaler: the bitwise mode
 refuses fp16), lab 7 (its own model, groups and schedule: not wired here), lab 8 (bit for bit
 against eager ZeRO-3 already).
 
@@ -40,7 +39,7 @@ NAMES = {"ddp": "zl.DDP", "zero1": "zl.ZeRO(stage=1)", "zero2": "zl.ZeRO(stage=2
 
 def engine_of(lab) -> str | None:
     """The name of the library engine (zerolab.engines.make) that runs `lab` with bitwise=True, or
-    None: the lab has no engine, or its engine has no bitwise mode (yet)."""
+    None: the lab has no engine, or its engine has no bitwise mode."""
     name = getattr(lab, "engine", "")
     return name if name and engine_class(name).takes_bitwise else None
 
@@ -86,7 +85,7 @@ def measure(lab) -> dict:
 def no_path(lab) -> str:
     if not getattr(lab, "engine", ""):
         return "it grades no engine of the library's that has a bitwise mode"
-    return f"{NAMES.get(lab.engine, lab.engine)} has no bitwise mode yet"
+    return f"{NAMES.get(lab.engine, lab.engine)} has no bitwise mode"
 
 
 def _differ(what: str, seen, want, d, step) -> Wrong:

@@ -35,7 +35,8 @@ all-gather in backward, reduce-scatter of the gradients, the paper's 3 Psi (1.5x
 What a unit is and does (Unit: gather, wait, release, accumulate, reduce_scatter; find_units;
 freeing storage by resizing it, and measure_peak, which counts those resizes) lives in
 zerolab.engines.zero3.units; WHEN they do it (hooks, prefetch order, the end of backward) is the
-mixin zerolab.engines.zero3.schedule.UnitSchedule.
+mixin zerolab.engines.zero3.schedule.UnitSchedule; bitwise=True (the same bits at any N) is the mixin
+zerolab.engines.zero3.chunks.UnitChunks.
 What every engine shares (backward's loss / N, p.grad's pieces, the step template, full_state_dict,
 memory_report) is zerolab.engines.base.Engine's; initialising a GPT built on the meta device
 (gpt_init) is zerolab.models'.
