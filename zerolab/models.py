@@ -56,6 +56,22 @@ def gpt_config(size: str = "tiny", **overrides) -> GPTConfig:
     return replace(SIZES[size], **overrides)
 
 
+# torch 2.13's fused CPU attention in bf16 packs its operands for AVX-512 whenever the CPU has it,
+# even when the vector kernels run below it (ATEN_CPU_CAPABILITY=avx2 or default, which
+# `make test-kernels` sets), and then raises "pack_vnni2 is only supported when avx512 is
+# supported". There, bf16 attention takes the math backend (the same formula, unfused).
+_BELOW_AVX512 = torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2")
+
+
+def causal_attention(q, k, v, dropout_p: float = 0.0):
+    """F.scaled_dot_product_attention(q, k, v, is_causal=True), on every CPU kernel set."""
+    if _BELOW_AVX512 and q.dtype == torch.bfloat16 and q.device.type == "cpu":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -69,8 +85,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(C, dim=2)
         # (B, T, C) -> (B, heads, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = causal_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return F.dropout(self.proj(y), self.dropout, self.training)
 
