@@ -1,7 +1,8 @@
 """The data behind chapters 13-15's figures, checked against closed forms worked by hand (one
 process, no ranks): the bytes each offload mode moves, the owners and blocks of the whole-matrix
 exchange, LAMB's trust ratios on a tensor and on a slice, the tokens' weights under accumulation,
-and the GPU table of chapter 13 read back from its files."""
+and the GPU table of chapter 13 read back from its files; and that chapter 5's engines figure draws
+the counts it is given."""
 
 import pytest
 import torch
@@ -81,3 +82,20 @@ def test_chapter_13_gpu_rows_come_from_the_files():
 def _h100_offload():
     from zerolab.book import gpu_results
     return gpu_results.load("offload_cuda.json")
+
+
+def test_chapter_5_engines_figure_draws_the_counts_it_is_given():
+    # a bar per engine at each world size, in engine order within each N; the bitwise side labelled
+    import matplotlib
+    matplotlib.use("Agg")
+    from zerolab.book import bitwise_plots
+
+    engines, ns = ("ddp", "zero1", "zero2", "zero3"), (2, 4)
+    bits = {"default": {e: {n: {"bits": 100 * k + n} for n in ns} for k, e in enumerate(engines)},
+            "bitwise": {e: {n: {"bits": 0} for n in ns} for e in engines}}
+    fig = bitwise_plots.engines_figure(bits, 32640)
+    left, right = fig.axes
+    assert [p.get_height() for p in left.patches] == [100 * k + n for k in range(4) for n in ns]
+    assert [p.get_height() for p in right.patches] == [0] * 8
+    assert [t.get_text() for t in right.texts] == ["0"] * 8
+    assert "32,640" in left.get_ylabel() and left.get_title() and right.get_title()

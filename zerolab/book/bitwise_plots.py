@@ -7,7 +7,9 @@
 * `fixed_tree_figure(num_chunks, world_size)`: the chunks' one binary tree, coloured by the rank
   that owns each chunk (zerolab.bitwise.ChunkPlan), above the rounds of recursive halving;
 * `cost_figure(rows)`: bytes per step (measured and closed form) and step time against the ring,
-  from zerolab.bitwise.cost.measure_cost.
+  from zerolab.bitwise.cost.measure_cost;
+* `engines_figure(bits, numel)`: bits that differ from one process, by engine (zl.DDP, ZeRO-1, 2, 3)
+  and world size, default mode beside bitwise mode (from bitwise_engines.engine_runs).
 """
 
 from __future__ import annotations
@@ -191,6 +193,44 @@ def cost_figure(rows: dict):
     right.set_ylabel("step time / ring's median step")
     right.set_title("Step time against the ring (median; min to max)", fontsize=10)
     handles, labels = left.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return fig
+
+
+ENGINE_COLORS = {"ddp": "#4C72B0", "zero1": "#DD8452", "zero2": "#55A868", "zero3": "#C44E52"}
+
+
+def engines_figure(bits: dict, numel: int):
+    """bits: bitwise_engines.engine_runs's {"default" | "bitwise": {engine: {N: totals}}}. Two
+    panels with one y axis: bits that differ from one process's weights, a bar per engine at each
+    world size; left the default mode, right the bitwise mode (each of its bars labelled with its
+    count, which is 0 when the mode holds)."""
+    import matplotlib.pyplot as plt
+
+    from zerolab.book import bitwise_engines
+
+    engines = list(bits["default"])
+    ns = sorted(bits["default"][engines[0]])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    width = 0.8 / len(engines)
+    for ax, mode in zip(axes, ("default", "bitwise")):
+        for k, engine in enumerate(engines):
+            label, color = bitwise_engines.ENGINES[engine], ENGINE_COLORS[engine]
+            xs = [i + (k - (len(engines) - 1) / 2) * width for i in range(len(ns))]
+            ys = [bits[mode][engine][n]["bits"] for n in ns]
+            ax.bar(xs, ys, width * 0.9, color=color, label=label)
+            if mode == "bitwise":
+                for x, y in zip(xs, ys):
+                    ax.text(x, y, f"{y:,}", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(ns)), [f"N = {n}" for n in ns])
+        ax.set_xlabel("world size N (ranks, gloo on CPU)")
+    axes[0].set_ylabel(f"bits that differ (count, over {numel:,} weights)")
+    axes[0].yaxis.set_major_formatter(lambda v, _: f"{v:,.0f}")
+    axes[0].set_title("Default mode (bitwise=False)", fontsize=10)
+    axes[1].set_title("Bitwise mode (bitwise=True)", fontsize=10)
+    fig.suptitle("Bits that differ from one process's weights, by engine and world size", fontsize=11)
+    handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
