@@ -10,6 +10,7 @@ and plot. One module per idea of a chapter:
     dp_demo, timeline, cost_plots    chapters 4 and 5: collectives, data parallelism, the cost model's figures
     collective_plots, ddp_plots, bucket_model   chapters 4 and 5: what moves where; buckets against backward
     bitwise_demo, bitwise_plots      chapter 5: the bits that change with N, the fixed tree that keeps them, its cost
+    bitwise_engines                  chapter 5: every engine in both modes against one process
     cost_checks, cost_check_plots    the appendix: the cost model against published measurements
     zero_demo, zero_plots            chapters 6 and 7: ZeRO-1 and ZeRO-2
     zero3_demo, zero3_plots, zero3_trace, zero3_cost   chapter 8: ZeRO-3, its traces, and when its traffic hides
