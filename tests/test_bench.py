@@ -19,9 +19,9 @@ def summary():
 def test_every_engine_is_in_the_table(summary):
     names = [r["engine"] for r in summary["rows"]]
     loop = bench.pytorch_loop_name
-    assert names == ["local", "zl.DDP", loop("zl.DDP"), "PyTorch DDP",
+    assert names == ["local", "zl.DDP", loop("zl.DDP"), "zl.DDP bitwise=True", "PyTorch DDP",
                      "zl.ZeRO-1", loop("zl.ZeRO-1"), "ZeroRedundancyOptimizer",
-                     "zl.ZeRO-2", loop("zl.ZeRO-2"), "FSDP2 reshard=False",
+                     "zl.ZeRO-2", loop("zl.ZeRO-2"), "zl.ZeRO-2 bitwise=True", "FSDP2 reshard=False",
                      "zl.ZeRO-3", loop("zl.ZeRO-3"), "zl.ZeRO-3 prefetch=0", "FSDP2 reshard=True"]
     table = bench.format_table(summary)
     assert all(n in table for n in names)
@@ -49,6 +49,55 @@ def test_bytes_on_the_wire_match_the_ring_model(summary):
             assert rows[name]["bytes"] == pytest.approx(psi_bytes, rel=0.02)
     assert rows["zl.DDP"]["ledger"] == pytest.approx(psi_bytes, rel=0.01)
     assert rows["zl.ZeRO-3"]["ledger"] == pytest.approx(1.5 * psi_bytes, rel=0.02)
+
+
+def test_bitwise_rows_send_their_closed_form_and_train_alike(summary):
+    # zl.DDP(bitwise=True) and zl.ZeRO(2, bitwise=True), beside their defaults in the same rounds
+    from zerolab.models import GPT, gpt_config
+    rows = {r["engine"]: r for r in summary["rows"]}
+    n = 2
+    for name, default in (("zl.DDP bitwise=True", "zl.DDP"), ("zl.ZeRO-2 bitwise=True", "zl.ZeRO-2")):
+        r = rows[name]
+        assert (r["family"], r["kind"], r["loop"], r["default"]) == ("bitwise", rows[default]["kind"], "zerolab", default)
+        assert r["vs_zerolab"] > 0 and r["ms"] > 0 and r["best_peer"] is None
+    # the closed form, from the model alone: nano's 32,640 parameters fit one bucket of 1 MB, padded
+    # to a multiple of N * 256; T trainable tensors (the tied embedding once)
+    params = list(GPT(gpt_config("nano")).parameters())
+    psi, tensors = sum(p.numel() for p in params), len(params)
+    padded = -(-psi // (n * 256)) * (n * 256)
+    tree_and_gather = 2 * (n - 1) * 4 * padded // n            # recursive halving + all-gather, fp32
+    agreement = round(2 * (n - 1) / n * 8 * (2 + tensors))    # all-reduce of K, -K and T flags, float64
+    assert (psi, padded, tensors) == (32640, 32768, 29)
+    assert bench.bitwise_bytes(n, padded, tensors) == tree_and_gather + agreement == 131320
+    for name in bench.BITWISE_ROWS:
+        r = rows[name]
+        assert r["layout"] == {"numel": psi, "padded": padded, "buckets": 1, "tensors": tensors}
+        assert r["ledger"] == r["closed_form"] == tree_and_gather + agreement   # bytes are exact
+        if r["bytes"] is not None:   # and the operating system saw the same, plus gloo's headers
+            assert r["bytes"] == pytest.approx(r["closed_form"], rel=0.02)
+    # the mode's promise: the two engines end on the same bits; and beside the default engines,
+    # the bench's tolerance for engines that train alike
+    assert rows["zl.DDP bitwise=True"]["loss"] == rows["zl.ZeRO-2 bitwise=True"]["loss"]
+    assert abs(rows["zl.DDP bitwise=True"]["loss"] - rows["zl.DDP"]["loss"]) < 1e-4
+    # reported: the bytes beside the closed form, the targets met, the ratio to the default last
+    text = bench.format_bitwise_bytes(summary)
+    for name in bench.BITWISE_ROWS:
+        line = next(x for x in text.splitlines() if x.strip().startswith(name))
+        assert "ledger 131,320 = closed form 131,320 (padded 32,768 = Ψ 32,640 + 128" in line
+    verdicts = {t: ok for t, ok in bench.targets(summary) if "bitwise" in t}
+    assert len(verdicts) == 3 and all(verdicts.values()), verdicts
+    ratios = bench.format_ratios(summary).splitlines()
+    assert ratios[-3].startswith("bitwise / default")
+    r = rows["zl.ZeRO-2 bitwise=True"]
+    assert ratios[-1].split()[:4] == ["zl.ZeRO-2", "bitwise=True", f"{r['vs_zerolab']:.2f}", "x"]
+
+
+def test_bitwise_rows_are_left_out_where_the_mode_cannot_run():
+    assert bench.bitwise_left_out(True, 2, False, bench.KINDS) is None
+    assert "power of two" in bench.bitwise_left_out(True, 3, False, bench.KINDS)
+    assert "compiled" in bench.bitwise_left_out(True, 2, True, bench.KINDS)
+    assert "not requested" in bench.bitwise_left_out(False, 2, False, bench.KINDS)
+    assert "left out" in bench.bitwise_left_out(True, 2, False, ("floor", "ZeRO-3"))
 
 
 def test_bad_arguments_are_refused_before_any_process_starts():
@@ -194,8 +243,8 @@ def test_rounds_interleave_every_engine_through_both_loops(two_rounds):
     s = two_rounds
     assert s["rounds"] == 2 and len(s["results"]) == 2
     rows = {r["engine"]: r for r in s["rows"]}
-    assert list(rows) == ["local", "zl.DDP", "zl.DDP [PyTorch loop]", "PyTorch DDP"]
-    assert [rows[n]["loop"] for n in rows] == ["PyTorch", "zerolab", "PyTorch", "PyTorch"]
+    assert list(rows) == ["local", "zl.DDP", "zl.DDP [PyTorch loop]", "zl.DDP bitwise=True", "PyTorch DDP"]
+    assert [rows[n]["loop"] for n in rows] == ["PyTorch", "zerolab", "PyTorch", "zerolab", "PyTorch"]
     assert rows["local"]["family"] == "floor" and rows["local"]["ledger"] is None
     # every round timed every engine on every step, on every rank (interleaved: same processes)
     for res in s["results"]:
@@ -240,6 +289,13 @@ def test_ratios_are_the_same_runs_medians(two_rounds):
     for name in ("zl.DDP", "zl.DDP [PyTorch loop]"):
         r = rows[name]
         assert f"{name:<32} {r['vs_peer']:.2f} " in text and f" x PyTorch DDP;  {r['vs_floor']:.2f} " in text
+    # bitwise / default: the same engine's two modes, round by round
+    bitwise = rows["zl.DDP bitwise=True"]
+    value, spread = ratio("zl.DDP bitwise=True", "zl.DDP")
+    assert bitwise["vs_zerolab"] == pytest.approx(value, rel=1e-12)
+    assert bitwise["vs_zerolab_spread"] == pytest.approx(spread, rel=1e-12)
+    line = next(x for x in text.splitlines() if x.strip().startswith("zl.DDP bitwise=True"))
+    assert line.startswith(f"  {'zl.DDP bitwise=True':<32} {value:.2f} ") and " x zl.DDP;" in line
 
 
 def test_the_command_line_takes_rounds_and_prints_the_ratios_last(monkeypatch, capsys):
@@ -250,7 +306,7 @@ def test_the_command_line_takes_rounds_and_prints_the_ratios_last(monkeypatch, c
              {"floor": [1.0, 1.0], "zl.DDP": [1.5, 1.5], "PyTorch DDP": [1.0, 1.0]}]
 
     def fake_run(size, world_size, batch, bucket_mb, reps, warmup, steps, **kw):
-        calls.append((reps, steps, kw["loops"]))
+        calls.append((reps, steps, kw["loops"], kw["bitwise"]))
         s = bench.summarize(_fake_results(times), steps=2)
         s.update(size=size, world_size=world_size, batch=batch)
         return s
@@ -259,8 +315,8 @@ def test_the_command_line_takes_rounds_and_prints_the_ratios_last(monkeypatch, c
     monkeypatch.setattr(run_module, "measure_overhead", lambda *a, **k: None)
     monkeypatch.setattr(run_module, "format_overhead", lambda m: "overhead")
     run_module.main(["--size", "nano", "--rounds", "2", "--quick"])
-    run_module.main(["--size", "nano", "--quick", "--zerolab-loop-only"])
-    assert calls == [(2, 6, bench.LOOPS), (1, 6, ("zerolab",))]   # --quick keeps the rounds asked for
+    run_module.main(["--size", "nano", "--quick", "--zerolab-loop-only", "--no-bitwise"])
+    assert calls == [(2, 6, bench.LOOPS, True), (1, 6, ("zerolab",), False)]   # --quick keeps the rounds asked for
     out = capsys.readouterr().out.strip().splitlines()
     # the last lines: zl.DDP over PyTorch DDP (median of the rounds' 2.0 and 1.5) and the floor
     assert out[-1].split() == ["zl.DDP", "1.75", "(1.50–2.00)", "x", "PyTorch", "DDP;", "1.75", "(1.50–2.00)",

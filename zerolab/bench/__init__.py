@@ -12,10 +12,19 @@ Engines, all fp32 with AdamW on the same model, data and processes:
     floor   local          (the plain model and AdamW on each rank's own batch, PyTorch's loop,
                            no wrapper: the per-rank work, with no communication at all)
     DDP     zl.DDP         PyTorch DistributedDataParallel
+            (and zl.DDP(bitwise=True): the same weights, bit for bit, at any world size)
     ZeRO-1  zl.ZeRO(1)     ZeroRedundancyOptimizer (+ DDP), DeepSpeed stage 1
     ZeRO-2  zl.ZeRO(2)     FSDP2 reshard_after_forward=False, DeepSpeed stage 2
+            (and zl.ZeRO(2, bitwise=True))
     ZeRO-3  zl.ZeRO(3)     FSDP2 reshard_after_forward=True, DeepSpeed stage 3
             (and zl.ZeRO(3, prefetch=0): the same engine without prefetch, to show what it buys)
+
+The two bitwise=True rows (zerolab.engines.options.BITWISE; --no-bitwise leaves them out) show
+what the mode costs beside the same engine's default: each step's one backward is one chunk,
+its gradient added by a fixed tree across ranks (recursive halving, point to point) and an
+all-gather, after a small all-reduce in which the ranks agree on the number of backwards;
+AdamW steps with torch's single-tensor kernels (the default mode asks for the foreach path).
+They run through zerolab's loop only, on a power-of-two number of ranks, and not under --compile.
 
 Each zerolab engine runs twice, each copy on its own model: through zerolab's loop
 (`engine.backward(loss); engine.step(); engine.zero_grad()`) and, as "NAME [PyTorch loop]",
@@ -40,7 +49,8 @@ What each column measures:
                it is not a finding (the same for the two ratios below)
   vs floor     per round, the engine's median step / the floor's median step; the median over
                rounds (in brackets the lowest and highest round)
-  vs best peer the same against the fastest peer of the same kind (zerolab rows only)
+  vs best peer the same against the fastest peer of the same kind (zerolab rows only); for
+               zl.ZeRO-3 prefetch=0 and the bitwise rows, against the same engine's default
   held, peak   bytes this rank held when a step began, and the most it held at any moment of
                the step: everything the engine allocated since it was built (model, optimizer
                state, gradients, communication buffers, activations), counted by malloc
@@ -57,17 +67,22 @@ What each column measures:
 Under the table, one line says what zerolab's instruments (the ledger, its flight recorder and its
 watchdog) add to each collective, from a measurement of its own (zerolab.bench.overhead); the
 targets follow, and last the ratios: each zerolab engine, through each loop, over its best peer
-and over the floor (zerolab.bench.report.format_ratios).
+and over the floor, then each bitwise row over its default (zerolab.bench.report.format_ratios).
+Before them, the bitwise rows' bytes per step, as the ledger booked them, beside the closed form
+zerolab.bench.report.bitwise_bytes: 2 (N-1)/N x 4 B x the padded gradient (the tree's recursive
+halving, then the all-gather) + 2 (N-1)/N x 8 B x (2 + T), the agreement all-reduce of K, -K and
+one flag per trainable tensor (T of them); exact, as every ledger figure is.
 """
 
-from .engines import FLOOR, KINDS, LOOPS, ZEROLAB, Runner, build_runners, engine_factories, make_zerolab, \
-    pytorch_loop_name
+from .engines import BITWISE_ROWS, FLOOR, KINDS, LOOPS, ZEROLAB, Runner, bitwise_layout, build_runners, \
+    engine_factories, make_zerolab, pytorch_loop_name
 from .peers import DEEPSPEED_GRADIENT_CLIPPING, deepspeed_config, fsdp2, quiet_deepspeed, torch_ddp, zero_redundancy
-from .report import COUNT_COLUMNS, TIMING_COLUMNS, format_ratios, format_table, summarize, targets
+from .report import COUNT_COLUMNS, TIMING_COLUMNS, bitwise_bytes, format_bitwise_bytes, format_ratios, format_table, \
+    summarize, targets
 from .overhead import format_overhead, measure as measure_overhead
-from .run import GPU_NOTE, bench_worker, main, measure_memory, run, written_bytes
+from .run import GPU_NOTE, bench_worker, bitwise_left_out, main, measure_memory, run, written_bytes
 
-__all__ = ["DEEPSPEED_GRADIENT_CLIPPING", "FLOOR", "KINDS", "LOOPS", "pytorch_loop_name", "format_ratios", "ZEROLAB", "Runner", "build_runners", "deepspeed_config", "engine_factories", "make_zerolab",
+__all__ = ["BITWISE_ROWS", "bitwise_bytes", "bitwise_left_out", "bitwise_layout", "format_bitwise_bytes", "DEEPSPEED_GRADIENT_CLIPPING", "FLOOR", "KINDS", "LOOPS", "pytorch_loop_name", "format_ratios", "ZEROLAB", "Runner", "build_runners", "deepspeed_config", "engine_factories", "make_zerolab",
            "quiet_deepspeed", "COUNT_COLUMNS", "TIMING_COLUMNS", "format_table", "summarize", "targets",
            "GPU_NOTE", "bench_worker", "main", "measure_memory", "run", "written_bytes", "format_overhead",
            "measure_overhead", "fsdp2", "torch_ddp", "zero_redundancy"]

@@ -30,7 +30,9 @@ FLOOR = "local"                  # the floor's row: the same per-rank work, noth
 
 # zerolab's engines by the name the tables print: (zerolab.engines.make's name, its options)
 ZEROLAB = {"zl.SingleProcess": ("single", {}), "zl.DDP": ("ddp", {}), "zl.ZeRO-1": ("zero1", {}),
-           "zl.ZeRO-2": ("zero2", {}), "zl.ZeRO-3": ("zero3", {}), "zl.ZeRO-3 prefetch=0": ("zero3", {"prefetch": 0})}
+           "zl.ZeRO-2": ("zero2", {}), "zl.ZeRO-3": ("zero3", {}), "zl.ZeRO-3 prefetch=0": ("zero3", {"prefetch": 0}),
+           "zl.DDP bitwise=True": ("ddp", {"bitwise": True}), "zl.ZeRO-2 bitwise=True": ("zero2", {"bitwise": True})}
+BITWISE_ROWS = ("zl.DDP bitwise=True", "zl.ZeRO-2 bitwise=True")   # the same bits at any world size
 
 
 def make_zerolab(name, model, optimizer, **options):
@@ -44,9 +46,18 @@ def make_zerolab(name, model, optimizer, **options):
 class Runner:
     """One engine: what it is, and a function that runs one training step (returns the loss)."""
 
-    def __init__(self, name, kind, family, step, comm=None, loop="PyTorch"):
+    def __init__(self, name, kind, family, step, comm=None, loop="PyTorch", layout=None):
         self.name, self.kind, self.family = name, kind, family
         self.step, self.comm, self.loop = step, comm, loop
+        self.layout = layout    # bitwise rows: what their bytes' closed form needs (bitwise_layout)
+
+
+def bitwise_layout(engine) -> dict:
+    """What a bitwise=True engine's bytes per step follow from: its flat buckets' elements
+    (`numel`), the same padded to a multiple of N * 256 per bucket (`padded`), and its trainable
+    tensors (`tensors`: one flag each in the step's agreement all-reduce)."""
+    return {"numel": engine.buckets.numel, "padded": engine.buckets.padded_numel,
+            "buckets": len(engine.buckets.buckets), "tensors": len(engine.params)}
 
 
 def pytorch_loop_name(name):
@@ -69,7 +80,8 @@ def _zl_runner(name, kind, engine, loop="zerolab"):
             engine.optimizer.step()
             engine.optimizer.zero_grad()
             return loss.item()
-    return Runner(name, kind, "zerolab", step, engine.comm, loop)
+    return Runner(name, kind, "zerolab", step, engine.comm, loop,
+                  bitwise_layout(engine) if getattr(engine, "bitwise", False) else None)
 
 
 def _torch_runner(name, kind, family, model, optimizer):
@@ -108,7 +120,7 @@ def _deepspeed_factories(make_model, lr, batch, bucket_mb, stages=(1, 2, 3)):
 
 
 def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KINDS, compile_models=False,
-                     loops=LOOPS):
+                     loops=LOOPS, bitwise=True):
     """[(name, make)] for every engine of the table, and a note on DeepSpeed.
 
     Each factory builds the engine on its own copy of the same initial model and returns its Runner.
@@ -117,7 +129,10 @@ def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KIND
     apply it: zerolab's engines take the model compiled before wrapping (ZeRO-3 then compiles it
     unit by unit), PyTorch DDP is compiled around the wrapper (its DDPOptimizer splits the graph
     at the buckets), FSDP2 after fully_shard; DeepSpeed is left out. loops: the loops that drive
-    zerolab's engines (LOOPS; the ablation zl.ZeRO-3 prefetch=0 runs through zerolab's only).
+    zerolab's engines (LOOPS; the ablation zl.ZeRO-3 prefetch=0 and the bitwise rows run through
+    zerolab's only). bitwise: also zl.DDP and zl.ZeRO-2 with bitwise=True (BITWISE_ROWS), each
+    beside its default; the AdamW they get is the same (foreach left unset: the mode steps with
+    torch's single-tensor kernels, and refuses foreach=True).
     """
     cfg = gpt_config(size)
     opt = partial(torch.optim.AdamW, lr=lr)
@@ -154,14 +169,19 @@ def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KIND
                              compiled(m), opt(m.parameters()))
 
     def zl_engine(name, loop="zerolab"):
-        kind = "DDP" if name == "zl.DDP" else name[3:9]
+        kind = "DDP" if name.startswith("zl.DDP") else name[3:9]
         r = _zl_runner(name if loop == "zerolab" else pytorch_loop_name(name), kind,
                        # track_peak=False: no peer traces its step's allocations either (the
                        # memory columns measure every engine's peak, the same way, instead)
                        make_zerolab(name, zl_model(), opt, bucket_mb=bucket_mb, track_peak=False), loop)
-        if ZEROLAB[name][1]:
+        if name in BITWISE_ROWS:
+            r.family = "bitwise"    # zerolab in another mode: compared with its default, not peers
+        elif ZEROLAB[name][1]:
             r.family = "ablation"   # zerolab with a feature off: compared with zerolab, not peers
         return r
+
+    def bitwise_row(name):
+        return [(name, partial(zl_engine, name))] if bitwise else []
 
     def zl_rows(name):
         return [(name if loop == "zerolab" else pytorch_loop_name(name), partial(zl_engine, name, loop))
@@ -172,11 +192,12 @@ def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KIND
         raise ValueError(f"loops must name one or more of {LOOPS}; got {tuple(loops)!r}")
     out = [(FLOOR, floor)]
     if "DDP" in kinds:
-        out += zl_rows("zl.DDP") + [("PyTorch DDP", pytorch_ddp)]
+        out += zl_rows("zl.DDP") + bitwise_row("zl.DDP bitwise=True") + [("PyTorch DDP", pytorch_ddp)]
     if "ZeRO-1" in kinds:
         out += zl_rows("zl.ZeRO-1") + [("ZeroRedundancyOptimizer", pytorch_zero1)]
     if "ZeRO-2" in kinds:
-        out += zl_rows("zl.ZeRO-2") + [("FSDP2 reshard=False", partial(pytorch_fsdp2, False))]
+        out += zl_rows("zl.ZeRO-2") + bitwise_row("zl.ZeRO-2 bitwise=True") + \
+            [("FSDP2 reshard=False", partial(pytorch_fsdp2, False))]
     if "ZeRO-3" in kinds:
         out += zl_rows("zl.ZeRO-3") + [("zl.ZeRO-3 prefetch=0", partial(zl_engine, "zl.ZeRO-3 prefetch=0")),
                                        ("FSDP2 reshard=True", partial(pytorch_fsdp2, True))]
@@ -189,9 +210,10 @@ def engine_factories(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KIND
 
 
 def build_runners(size, batch, bucket_mb, lr=3e-4, deepspeed=True, kinds=KINDS, compile_models=False,
-                  loops=LOOPS):
+                  loops=LOOPS, bitwise=True):
     """Every engine of the table, each on its own copy of the same initial model."""
-    factories, note = engine_factories(size, batch, bucket_mb, lr, deepspeed, kinds, compile_models, loops)
+    factories, note = engine_factories(size, batch, bucket_mb, lr, deepspeed, kinds, compile_models, loops,
+                                       bitwise)
     runners = []
     for name, build in factories:
         if name.startswith("DeepSpeed") and note.startswith("DeepSpeed: not run"):

@@ -11,7 +11,10 @@ memory and bytes measured, and the final loss; this module turns that into what 
     format_table(summary)       the Markdown table `python -m zerolab bench` prints (or one half of
                                 it: TIMING_COLUMNS, COUNT_COLUMNS)
     format_ratios(summary)      what it prints last: each zerolab engine, through each loop, over
-                                the best peer of its kind and over the floor
+                                the best peer of its kind and over the floor; each bitwise=True
+                                row over the same engine's default mode
+    format_bitwise_bytes(s)     the bitwise rows' bytes per step beside their closed form
+                                (bitwise_bytes)
     targets(summary)            the targets zerolab holds itself to: met, missed, or within the
                                 run-to-run spread (a timing difference smaller than the spread
                                 between rounds is not a finding)
@@ -22,9 +25,33 @@ from __future__ import annotations
 import statistics
 
 
+def bitwise_bytes(world_size, padded, tensors):
+    """The bytes a bitwise=True zl.DDP or zl.ZeRO-1/2 books per step on each rank (one backward per
+    step, no clipping), in the ledger's ring model:
+
+        2 (N-1)/N * 4 * padded        the fp32 gradient's tree: recursive halving sends (N-1)/N
+                                      of the padded buckets (point to point, log2 N rounds), then
+                                      an all-gather (N-1)/N again: of the summed gradient (DDP),
+                                      of the updated parameters (ZeRO-1/2, the same buckets)
+      + 2 (N-1)/N * 8 * (2 + tensors) the step's agreement: one all-reduce of float64 flags (K and
+                                      -K, the backwards this step, and one flag per trainable
+                                      tensor: did any rank's backward reach it), rounded to a byte
+                                      as the ledger rounds every record
+
+    padded: the buckets' elements, each bucket padded to a multiple of N * 256 (the mode's norm
+    block); N a power of two, so the first term is a whole number of bytes."""
+    n = world_size
+    return 2 * (n - 1) * 4 * padded // n + round(2 * (n - 1) / n * 8 * (2 + tensors))
+
+
 def _spread(per_rep):
     """(lowest, highest) of the per-round medians."""
     return (min(per_rep), max(per_rep))
+
+
+# the families of rows that are not peers: the floor, and zerolab itself (its engines, an engine
+# with a feature off, an engine in its bitwise mode)
+NOT_PEERS = ("zerolab", "floor", "ablation", "bitwise")
 
 
 def summarize(results, steps):
@@ -49,9 +76,11 @@ def summarize(results, steps):
 
     # the round that measured memory (none with --no-memory)
     mem = next((res for res in reversed(results) if res[0]["peak"]), None)
+    world_size = len(last)
     rows = []
     for nm, kind, family in first["rows"]:
         vs_floor, vs_floor_spread = pair(nm, floor)
+        layout = last[0].get("layout", {}).get(nm)
         rows.append({"engine": nm, "kind": kind, "family": family, "loop": first.get("loop", {}).get(nm, ""),
                      "ms": statistics.median(flat(nm)) * 1e3,
                      "ms_spread": tuple(1e3 * x for x in _spread([statistics.median(rep) for rep in times[nm]])),
@@ -61,14 +90,21 @@ def summarize(results, steps):
                      "bytes": None if last[0]["wrote"][nm] is None else max(r["wrote"][nm] for r in last),
                      "ledger": last[0]["ledger"][nm],
                      "loss": statistics.mean(r["loss"][nm] for r in last), "vs_peer": None, "best_peer": None,
-                     "vs_peer_spread": None, "least_peer": None, "vs_zerolab": None, "vs_zerolab_spread": None})
+                     "vs_peer_spread": None, "least_peer": None, "vs_zerolab": None, "vs_zerolab_spread": None,
+                     "default": None, "layout": layout,
+                     "closed_form": None if layout is None else
+                     bitwise_bytes(world_size, layout["padded"], layout["tensors"])})
     for row in rows:
-        if row["family"] == "ablation":   # zerolab with one feature off, against zerolab itself
-            main = next(p for p in rows if p["kind"] == row["kind"] and p["family"] == "zerolab")
+        if row["family"] in ("ablation", "bitwise"):
+            # zerolab with one feature off, or in another mode: against its default, through the
+            # same (zerolab's) loop
+            main = next(p for p in rows if p["kind"] == row["kind"] and p["family"] == "zerolab"
+                        and p["loop"] in ("zerolab", ""))
+            row["default"] = main["engine"]
             row["vs_zerolab"], row["vs_zerolab_spread"] = pair(row["engine"], main["engine"])
         if row["family"] != "zerolab":
             continue
-        peers = [p for p in rows if p["kind"] == row["kind"] and p["family"] not in ("zerolab", "floor", "ablation")]
+        peers = [p for p in rows if p["kind"] == row["kind"] and p["family"] not in NOT_PEERS]
         if peers:
             best = min(peers, key=lambda p: p["ms"])
             row["best_peer"] = best["engine"]
@@ -97,7 +133,7 @@ def _cells(s, r):
     if r["vs_peer"] is not None:
         peer = f"{_with_spread(r['vs_peer'], r['vs_peer_spread'], '.2f')} ({r['best_peer']})"
     if r["vs_zerolab"] is not None:
-        peer = f"{_with_spread(r['vs_zerolab'], r['vs_zerolab_spread'], '.2f')} (vs zerolab's default)"
+        peer = f"{_with_spread(r['vs_zerolab'], r['vs_zerolab_spread'], '.2f')} (vs {r['default']})"
     return {"engine": r["engine"], "kind": r["kind"], "loop": r.get("loop", ""),
             "step (ms)": _with_spread(r["ms"], r["ms_spread"], ".1f"),
             "vs floor": _with_spread(r["vs_floor"], r["vs_floor_spread"], ".2f"), "vs best peer": peer,
@@ -138,6 +174,33 @@ def format_ratios(s) -> str:
         peer = "no peer ran" if r["vs_peer"] is None else \
             f"{_with_spread(r['vs_peer'], r['vs_peer_spread'], '.2f')} x {r['best_peer']}"
         lines.append(f"  {r['engine']:<32} {peer};  {_with_spread(r['vs_floor'], r['vs_floor_spread'], '.2f')} x floor")
+    bitwise = [r for r in s["rows"] if r["family"] == "bitwise"]
+    if bitwise:
+        lines.append("bitwise / default: each bitwise=True row over the same engine's default mode, in the same "
+                     "rounds (the same per-round medians and brackets):")
+        for r in bitwise:
+            lines.append(f"  {r['engine']:<32} {_with_spread(r['vs_zerolab'], r['vs_zerolab_spread'], '.2f')} "
+                         f"x {r['default']};  {_with_spread(r['vs_floor'], r['vs_floor_spread'], '.2f')} x floor")
+    return "\n".join(lines)
+
+
+def format_bitwise_bytes(s) -> str:
+    """The bitwise rows' bytes per step: what the ledger booked beside the closed form
+    (bitwise_bytes), and what the operating system saw written; or why no row ran."""
+    bitwise = [r for r in s["rows"] if r["family"] == "bitwise"]
+    if not bitwise:
+        return s.get("bitwise_note") or "bitwise=True: no row ran"
+    n = len(s["results"][-1]) if s.get("results") else s.get("world_size")
+    lines = [f"bitwise=True, bytes per step and rank: 2 (N-1)/N x 4 B x the padded gradient (the tree, then "
+             f"the all-gather) + 2 (N-1)/N x 8 B x (2 + T) (the step's agreement on K and on the tensors "
+             f"reached), N = {n}:"]
+    for r in bitwise:
+        lay = r["layout"]
+        wire = "n/a" if r["bytes"] is None else f"{r['bytes']:,}"
+        verdict = "=" if r["ledger"] == r["closed_form"] else "!="
+        lines.append(f"  {r['engine']:<24} ledger {r['ledger']:,} {verdict} closed form {r['closed_form']:,} "
+                     f"(padded {lay['padded']:,} = Ψ {lay['numel']:,} + {lay['padded'] - lay['numel']:,} in "
+                     f"{lay['buckets']} bucket(s); T = {lay['tensors']} tensors); written to the sockets {wire}")
     return "\n".join(lines)
 
 
@@ -183,10 +246,18 @@ def targets(s) -> list[tuple[str, bool | None]]:
             if r["kind"] in MEMORY_TARGET_KINDS and least is not None:
                 out.append((f"{r['engine']} peak memory <= least peer ({least['engine']}): "
                             f"{r['peak'] / 1e6:.2f} vs {least['peak'] / 1e6:.2f} MB", r["peak"] <= least["peak"]))
+        if r["family"] == "bitwise":   # exact, so a verdict on one round too
+            out.append((f"{r['engine']} bytes per step = closed form: ledger {r['ledger']:,}, closed form "
+                        f"{r['closed_form']:,}", r["ledger"] == r["closed_form"]))
         if r["family"] == "ablation":
             lo, hi = r["vs_zerolab_spread"]
             at_most = verdict(r["vs_zerolab_spread"], reps)   # faster with prefetch: the ratio is above 1
             out.append((f"zl.ZeRO-3 faster with prefetch than {r['engine']}: {r['engine']} takes "
                         f"{r['vs_zerolab']:.2f}x as long (rounds {lo:.2f}-{hi:.2f})",
                         None if at_most is None else not at_most))
+    bitwise = [r for r in s["rows"] if r["family"] == "bitwise"]
+    if len(bitwise) > 1:
+        same = all(r["loss"] == bitwise[0]["loss"] for r in bitwise)
+        out.append((f"bitwise=True: {' and '.join(r['engine'] for r in bitwise)} end on the same loss, bit for bit "
+                    f"({', '.join(repr(r['loss']) for r in bitwise)})", same))
     return out

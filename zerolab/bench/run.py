@@ -21,7 +21,7 @@ from ..launch import launch
 from ..models import GPT, SIZES, gpt_config
 from .engines import KINDS, LOOPS, ZEROLAB, build_runners, engine_factories, pytorch_loop_name
 from .overhead import format_overhead, measure as measure_overhead
-from .report import format_ratios, format_table, summarize, targets, verdict_word
+from .report import format_bitwise_bytes, format_ratios, format_table, summarize, targets, verdict_word
 
 GPU_NOTE = "GPU path: not run, no device was available"
 
@@ -62,7 +62,7 @@ def measure_memory(build, data, batch, warmup=2):
 
 
 def bench_worker(size, batch, bucket_mb, warmup, steps, deepspeed=True, kinds=KINDS, memory=True,
-                 compile_models=False, loops=LOOPS):
+                 compile_models=False, loops=LOOPS, bitwise=True):
     """All engines in the same processes, one step each in turn, in a new shuffled order each step."""
     rank, n = dist.get_rank(), dist.get_world_size()
     # the peers' deprecation notices (DeepSpeed's collectives print one per call) and Dynamo's
@@ -73,7 +73,7 @@ def bench_worker(size, batch, bucket_mb, warmup, steps, deepspeed=True, kinds=KI
         torch._logging.set_logs(dynamo=logging.ERROR, inductor=logging.ERROR)
     data = CharDataset(gpt_config(size).block_size)
     runners, note = build_runners(size, batch, bucket_mb, deepspeed=deepspeed, kinds=kinds,
-                                  compile_models=compile_models, loops=loops)
+                                  compile_models=compile_models, loops=loops, bitwise=bitwise)
     times = {r.name: [] for r in runners}
     losses = {}
     for i in range(warmup + steps):
@@ -99,12 +99,13 @@ def bench_worker(size, batch, bucket_mb, warmup, steps, deepspeed=True, kinds=KI
         ledger[r.name] = None if r.comm is None else r.comm.bytes()
     rows = [(r.name, r.kind, r.family) for r in runners]
     loop = {r.name: r.loop for r in runners}
+    layout = {r.name: r.layout for r in runners if r.layout is not None}
     del runners
     # memory: each engine alone, built inside the allocator trace
     held, peak = {}, {}
     if memory:
         factories = dict(engine_factories(size, batch, bucket_mb, deepspeed=deepspeed, kinds=kinds,
-                                          compile_models=compile_models, loops=loops)[0])
+                                          compile_models=compile_models, loops=loops, bitwise=bitwise)[0])
         # measure_memory collects garbage around each engine, and a full collection walks every
         # object the process holds (torch's and DeepSpeed's modules: most of a second each time).
         # Frozen (gc.freeze), what is alive now is left out of those walks: the collector then
@@ -126,15 +127,18 @@ def bench_worker(size, batch, bucket_mb, warmup, steps, deepspeed=True, kinds=KI
     dist.barrier()
     params = sum(p.numel() for p in GPT(gpt_config(size)).parameters())
     return {"rows": rows, "loop": loop, "times": times, "loss": losses, "held": held,
-            "peak": peak, "wrote": wrote, "ledger": ledger, "note": note, "params": params}
+            "peak": peak, "wrote": wrote, "ledger": ledger, "note": note, "params": params, "layout": layout}
 
 
 def run(size="small", world_size=2, batch=8, bucket_mb=1.0, reps=2, warmup=2, steps=6,
-        deepspeed=True, kinds=KINDS, log=print, compile_models=False, memory=True, loops=LOOPS, rounds=None):
+        deepspeed=True, kinds=KINDS, log=print, compile_models=False, memory=True, loops=LOOPS, rounds=None,
+        bitwise=True):
     """Launch the benchmark in `rounds` interleaved rounds (`reps`, its older name): each round
     fresh processes in which every engine runs its steps in turn, one step each, in a new
     shuffled order every step, so a busy moment of the machine hits them all. Returns the
-    summary dict (zerolab.bench.report.summarize)."""
+    summary dict (zerolab.bench.report.summarize). bitwise: the rows of zl.DDP and zl.ZeRO-2
+    with bitwise=True too (left out, with a note, on a world size that is not a power of two,
+    and under compile_models)."""
     reps = reps if rounds is None else rounds
     for name, v in (("world_size", world_size), ("batch", batch), ("rounds", reps), ("steps", steps)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -146,19 +150,35 @@ def run(size="small", world_size=2, batch=8, bucket_mb=1.0, reps=2, warmup=2, st
         raise ValueError(f"unknown kinds {bad}; choose from {KINDS}")
     if not loops or any(loop not in LOOPS for loop in loops):
         raise ValueError(f"loops must name one or more of {LOOPS}; got {tuple(loops)!r}")
+    bitwise_note = bitwise_left_out(bitwise, world_size, compile_models, kinds)
+    bitwise = bitwise and bitwise_note is None
     results = []
     for rep in range(reps):
         # memory is measured once, in the last round (each engine built alone, traced)
         res = launch(bench_worker, world_size, timeout=1800 if compile_models else 600,
                      args=(size, batch, bucket_mb, warmup, steps, deepspeed, kinds,
-                           memory and rep == reps - 1, compile_models, tuple(loops)))
+                           memory and rep == reps - 1, compile_models, tuple(loops), bitwise))
         results.append(res)
         if log:
             log(f"  round {rep + 1}/{reps} done")
     s = summarize(results, steps)
     s["results"] = results    # what every rank measured, round by round (the table's raw data)
+    s["bitwise_note"] = bitwise_note
     s.update(size=size, world_size=world_size, batch=batch, bucket_mb=bucket_mb, reps=reps, compiled=compile_models)
     return s
+
+
+def bitwise_left_out(bitwise, world_size, compile_models, kinds) -> str | None:
+    """Why the bitwise rows do not run (None: they do)."""
+    if not bitwise:
+        return "bitwise=True: not requested"
+    if not any(k in kinds for k in ("DDP", "ZeRO-2")):
+        return "bitwise=True: not run (its rows are of kinds DDP and ZeRO-2, which were left out)"
+    if world_size & (world_size - 1):
+        return f"bitwise=True: not run ({world_size} ranks: the mode needs a power of two)"
+    if compile_models:
+        return "bitwise=True: left out of the compiled run"
+    return None
 
 
 def main(argv=None, plot=None):
@@ -181,6 +201,8 @@ def main(argv=None, plot=None):
     p.add_argument("--zerolab-loop-only", action="store_true",
                    help="drive zerolab's engines through engine.backward/step only, not PyTorch's loop too")
     p.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed out even if installed")
+    p.add_argument("--no-bitwise", action="store_true",
+                   help="leave out the rows of zl.DDP and zl.ZeRO-2 with bitwise=True")
     p.add_argument("--plot", metavar="DIR", help="write the figures (PNG) into DIR")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile every model first (inductor; minutes of compiling), DeepSpeed left out")
@@ -203,7 +225,7 @@ def main(argv=None, plot=None):
     t0 = time.perf_counter()
     s = run(a.size, a.world_size, a.batch, a.bucket_mb, a.reps, a.warmup, a.steps, deepspeed=not a.no_deepspeed,
             compile_models=a.compile, memory=not a.no_memory,
-            loops=("zerolab",) if a.zerolab_loop_only else LOOPS)
+            loops=("zerolab",) if a.zerolab_loop_only else LOOPS, bitwise=not a.no_bitwise)
     main.last = s  # the summary, for callers that want the numbers
     print()
     print(format_table(s))
@@ -212,6 +234,7 @@ def main(argv=None, plot=None):
     print(f"{s['params']:,} parameters (Ψ). Final losses of the data-parallel engines (zerolab's and its "
           f"peers') agree to {spread}; the floor (local) trains on one rank's batch only, so its loss differs.")
     print(s["note"])
+    print(format_bitwise_bytes(s))
     # what zerolab's ledger, flight recorder and watchdog add to each collective: its own measurement
     print(format_overhead(measure_overhead(a.world_size, calls=60 if a.quick else 200, rounds=3 if a.quick else 5)))
     print(GPU_NOTE)

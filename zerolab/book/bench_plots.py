@@ -8,6 +8,7 @@ import matplotlib
 import matplotlib.pyplot as plt
 
 FAMILY_COLORS = {"floor": "#8c8c8c", "zerolab": "#4C72B0", "PyTorch": "#DD8452", "DeepSpeed": "#55A868"}
+OTHER_SETTING = "#8172B3"   # a zerolab engine with another setting: prefetch=0, bitwise=True
 
 
 def bench_figure(s):
@@ -15,7 +16,7 @@ def bench_figure(s):
     to the highest round's median), peak memory, bytes per step."""
     rows = s["rows"]
     names = [r["engine"] for r in rows]
-    colors = [FAMILY_COLORS.get(r["family"], "#8172B3") for r in rows]
+    colors = [FAMILY_COLORS.get(r["family"], OTHER_SETTING) for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4.2), sharey=True)
     y = list(range(len(rows)))
     panels = [("step time / floor (whisker: spread over rounds)", [r["vs_floor"] for r in rows]),
@@ -33,7 +34,9 @@ def bench_figure(s):
     axes[0].set_yticks(y, names)
     axes[0].invert_yaxis()
     handles = [matplotlib.patches.Patch(color=c, label=f) for f, c in FAMILY_COLORS.items()]
-    fig.legend(handles=handles, loc="lower center", ncol=4, frameon=False)
+    if any(r["family"] not in FAMILY_COLORS for r in rows):
+        handles.append(matplotlib.patches.Patch(color=OTHER_SETTING, label="zerolab, another setting"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False)
     fig.suptitle(f"GPT {s['size']!r}, {s['world_size']} ranks, batch {s['batch']} per rank, "
                  f"{s.get('reps', 1)} rounds (this machine)")
     fig.tight_layout(rect=(0, 0.07, 1, 1))
