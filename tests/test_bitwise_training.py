@@ -1,6 +1,6 @@
 """Bit for bit at any world size: BitwiseDataParallel on 1, 2, 4 and 8 gloo ranks ends with
 torch.equal master weights and optimizer state, and those equal an independent one-process
-reference written here (per-parameter tensors, a recursive tree, the norm's blocks by hand,
+reference written here (per-parameter tensors, a recursive tree, the norm by math.fsum,
 torch's own optimizer on one tensor per parameter). No tolerance anywhere.
 
 The matrix: a two-layer MLP, the nano GPT (also with tied embeddings), AwkwardModel (frozen,
@@ -14,6 +14,7 @@ batches does NOT end with the same bits at 2, 4 and 8 ranks as on one (zerolab.b
 """
 
 import functools
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -122,13 +123,6 @@ def tree(xs):
     return xs[0] if len(xs) == 1 else tree(xs[:len(xs) // 2]) + tree(xs[len(xs) // 2:])
 
 
-def halve_to_one(v):
-    """Sum along the last dimension: element i + element i+half, until one is left."""
-    while v.shape[-1] > 1:
-        v = v[..., :v.shape[-1] // 2] + v[..., v.shape[-1] // 2:]
-    return v[..., 0]
-
-
 def reference_run(case):
     """One process, one tensor per parameter: what the bitwise mode promises, written plainly."""
     model, data, loss_fn, rows = build(case.kind, 0)
@@ -156,11 +150,9 @@ def reference_run(case):
             chunk_grads.append([torch.zeros(p.shape) if p.grad is None else p.grad.float() for p in params])
         grads = [tree([cg[i] for cg in chunk_grads]) * (1.0 / CHUNKS) for i in range(len(params))]
         if case.max_grad_norm is not None:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            flat = torch.cat([flat, flat.new_zeros(-flat.numel() % BLOCK)])
-            block_sums = halve_to_one((flat * flat).view(-1, BLOCK))
-            width = 1 << (block_sums.numel() - 1).bit_length()
-            total = halve_to_one(torch.cat([block_sums, block_sums.new_zeros(width - block_sums.numel())]))
+            # the exact squared norm, correctly rounded: math.fsum of the fp64 squares (each exact)
+            squares = (v * v for g in grads for v in g.double().reshape(-1).tolist())
+            total = torch.tensor(math.fsum(squares), dtype=torch.float64).float()
             coef = (case.max_grad_norm / (total.sqrt() + 1e-6)).clamp(max=1.0)
             grads = [g * coef for g in grads]
         for m, g in zip(masters, grads):
