@@ -3,11 +3,11 @@ process and zl.DDP and zl.ZeRO(stage=1, 2 and 3) on 1, 2, 4 and 8 gloo ranks end
 torch.equal weights and optimizer state, and those equal zerolab.bitwise.BitwiseDataParallel (the
 standalone reference trainer) on the same chunks. No tolerance anywhere.
 
-The matrix: the TinyMLP and the nano GPT, fp32 and bf16 (fp32 masters), AdamW and SGD with
-momentum, C = 8 chunks of the global batch (K = 8, 4, 2, 1 backwards per step on 1, 2, 4, 8
-ranks: gradient accumulation as nanoGPT writes it, loss / K), a clip that binds, one bucket
-(ZeRO-3: its units; and, for the MLP, four buckets, each padded to N * 256: the clip's norm is
-exact, so any layout gives the one-bucket run's bits). Both loops:
+The matrix: the TinyMLP and the nano GPT (and, on its own, a Hugging Face GPT-2), fp32 and bf16
+(fp32 masters), AdamW and SGD with momentum, C = 8 chunks of the global batch (K = 8, 4, 2, 1
+backwards per step on 1, 2, 4, 8 ranks: gradient accumulation as nanoGPT writes it, loss / K), a
+clip that binds, one bucket (ZeRO-3: its units; and, for the MLP, four buckets, each padded to
+N * 256: the clip's norm is exact, so any layout gives the one-bucket run's bits). Both loops:
 PyTorch's (loss.backward(), optimizer.step(), optimizer.zero_grad()) and zerolab's
 (engine.backward with nanoGPT's require_backward_grad_sync, engine.clip_grad_norm_, engine.step,
 engine.zero_grad).
@@ -33,10 +33,12 @@ from zerolab.data import CharDataset, SyntheticRegression
 from zerolab.engines import make
 from zerolab.models import GPT, TinyMLP, gpt_config, gpt_loss, regression_loss
 
+from helpers import hf_gpt2, tokens
+
 CHUNKS, STEPS = 8, 3
 SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, weight_decay=0.01)
 ADAMW = functools.partial(torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
-CLIP = {"mlp": 0.05, "gpt": 0.3}
+CLIP = {"mlp": 0.05, "gpt": 0.3, "hf": 0.3}
 
 
 @dataclass(frozen=True)
@@ -54,11 +56,25 @@ CASES = [Case(k, p, o) for k in ("mlp", "gpt") for p in ("fp32", "bf16") for o i
 ENGINES = ("ddp", "zero1", "zero2", "zero3")
 
 
+class Tokens:
+    """Global batches of random token ids for the Hugging Face model: (ids,), its own labels."""
+
+    def global_batch(self, step, rows):
+        return (tokens(step, rows),)
+
+
+def hf_loss(model, batch):
+    out = model(input_ids=batch[0], labels=batch[0])     # called with keywords, as HF users do
+    return out.logits, out.loss
+
+
 def build(kind, seed):
     """(model, data, loss_fn, global batch rows), the same model from the same seed."""
     torch.manual_seed(seed)
     if kind == "mlp":
         return TinyMLP(16, 32, 4), SyntheticRegression(16, 4), regression_loss, 16
+    if kind == "hf":            # a Hugging Face GPT-2 (tied embeddings), built from seed 0 on every rank
+        return hf_gpt2(), Tokens(), hf_loss, 8
     return GPT(gpt_config("nano")), CharDataset(32), gpt_loss, 8
 
 
@@ -228,6 +244,29 @@ def test_the_default_mode_and_a_planted_break_are_not_the_same_bits():
         one = zl.launch(worker, 1, args=(case,))[0]
         for n in (2, 4):
             assert not same_weights(zl.launch(worker, n, args=(case,))[0], one), f"{worker.__name__} at N={n}"
+
+
+HF_CASES = [Case("hf", p, ADAMW) for p in ("fp32", "bf16")]
+
+
+def hf_worker(engines):
+    return {(case.name, name): engine_run(case, name) for case in HF_CASES for name in engines}
+
+
+@pytest.mark.slow
+def test_a_hugging_face_gpt2_is_one_process_on_every_engine():
+    """transformers' GPT2LMHeadModel (tied embeddings, called with keywords) on every engine at
+    N = 2 and 4, fp32 and bf16, K = 4 and 2 chunks a rank, a binding clip: torch.equal to one process."""
+    one = zl.launch(hf_worker, 1, args=(("single",),))[0]
+    for n in (2, 4):
+        ranks = zl.launch(hf_worker, n, args=(ENGINES,))
+        for case in HF_CASES:
+            weights1, state1, norms1 = one[case.name, "single"]
+            assert any(x > CLIP["hf"] for x in norms1), norms1
+            for name in ENGINES:
+                weights, state, norms = ranks[0][case.name, name]
+                assert same_weights(weights, weights1), f"{case.name} on {name} at N={n}"
+                assert same_state(state, state1) and norms == norms1, f"{case.name} on {name} at N={n}"
 
 
 # ------------------------------------------------------------------ the script's own optimizer
