@@ -47,9 +47,11 @@ class BitwiseMode:
         (model.zero_grad(), p.grad = None): it zeroed the step's chunks so far."""
         if self._sums_out:          # the last step's sums must be gone: they are not a chunk
             if any(p.grad is not None for p in self._trainable()):
-                raise RuntimeError("bitwise=True: p.grad still holds the last step's gradients at this "
-                                   "backward; call optimizer.zero_grad() after each step (under bitwise=True "
-                                   "each backward is one chunk of a new step, not an addition to p.grad)")
+                raise RuntimeError("bitwise=True: p.grad still holds the gradients the last synced backward "
+                                   "wrote (the fixed tree's average of the step's chunks), and a backward cannot "
+                                   "add to them. Run a step's chunks before the last inside engine.no_sync() (or "
+                                   "with require_backward_grad_sync = False), and call optimizer.zero_grad() "
+                                   "after each step.")
             self._sums_out = False
         if self._placeholders_out:
             self._placeholders_out = False
