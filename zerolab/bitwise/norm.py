@@ -32,21 +32,6 @@ NAN, INF = 2 * EXPONENTS, 2 * EXPONENTS + 1     # two more slots: how many NaNs 
 MAX_ELEMENTS = 2 ** 29  # a sum of this many values below 2^24 stays below 2^53: exact in fp64
 
 
-def halving_sum(values: torch.Tensor) -> torch.Tensor:
-    """Sum along the last dimension in a fixed tree: element i is added to element i + half,
-    halving until one is left; a length that is not a power of two is padded with zeros first."""
-    length = values.shape[-1]
-    width = 1
-    while width < length:
-        width *= 2
-    if width != length:
-        values = torch.cat([values, values.new_zeros(*values.shape[:-1], width - length)], dim=-1)
-    while values.shape[-1] > 1:
-        half = values.shape[-1] // 2
-        values = values[..., :half] + values[..., half:]
-    return values[..., 0]
-
-
 def square_sums(x: torch.Tensor) -> torch.Tensor:
     """x's squares added exactly, exponent by exponent: [low halves' sums | high halves' sums |
     NaN count | inf count], fp64 integers. Such rows add exactly (x's pieces, or ranks)."""
