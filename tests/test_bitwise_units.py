@@ -6,8 +6,8 @@
 * across 1, 2, 4 and 8 gloo ranks, tree_reduce_scatter and tree_all_reduce give the bits of
   the one-process tree sum, while torch.distributed's own all-reduce of the same partial sums
   does not (on some world size);
-* the block norm is the same bits on a whole vector, on shards (in one process and on 1, 2, 4,
-  8 ranks, each holding a shard), and with any zero padding;
+* the exact norm is math.fsum's, to the last bit, on a whole vector and on shards of any size and
+  order (in one process, and on 1, 2, 4, 8 ranks each holding a shard);
 * the premise of layout independence: SGD and AdamW (foreach=False) on a slice at any offset
   give the same bits as on the whole vector, on this CPU's kernel set;
 * differing_bits counts bits exactly.

@@ -72,7 +72,7 @@ class Bucket:
             total += n
         self.numel = total                                         # real elements
         # a multiple of N; `quantum` (a multiple of N) pads further: the bitwise mode's N * block,
-        # so that every shard holds whole blocks of its fixed-order norm (zerolab.bitwise.buckets)
+        # so that every shard starts on the same alignment (zerolab.bitwise.buckets.quantum)
         q = world_size if quantum is None else quantum
         if q % world_size:
             raise ValueError(f"Bucket: quantum ({q}) must be a multiple of the world size ({world_size})")

@@ -1,6 +1,6 @@
 """The engines' bitwise mode on flat buckets: the parts that do not depend on an engine.
 
-zl.SingleProcess, zl.DDP and zl.ZeRO(stage=1 | 2) take bitwise=True (zerolab.engines.options
+zl.SingleProcess, zl.DDP and zl.ZeRO(stage=1 | 2 | 3) take bitwise=True (zerolab.engines.options
 says the contract). There each backward is one chunk of the global batch, and its gradient,
 bucket by bucket, is one leaf of the fixed tree; the step adds the leaves across ranks:
 
@@ -12,8 +12,6 @@ bucket by bucket, is one leaf of the fixed tree; the step adds the leaves across
     reduce_buckets      the top of the tree across ranks, bucket by bucket, in bucket order:
                         whole (tree_all_reduce: DDP) or this rank's shard (tree_reduce_scatter:
                         ZeRO), then divided by N (a power of two: exact)
-    squared_norm        the exact squared norm of the step's gradient (zerolab.bitwise.norm):
-                        the same bits whatever the buckets, the shards or the engine
     check_same_threads  every rank computes with the same number of intra-op threads
 """
 
@@ -22,11 +20,10 @@ from __future__ import annotations
 import torch
 
 from .chunks import is_power_of_two
-from .norm import exact_sum_of_squares
 from .tree import TreeAccumulator, tree_all_reduce, tree_reduce_scatter
 from .trainer import NORM_BLOCK, check_elementwise_optimizer
 
-__all__ = ["NORM_BLOCK", "ChunkTrees", "agree_backwards", "reduce_buckets", "squared_norm",
+__all__ = ["NORM_BLOCK", "ChunkTrees", "agree_backwards", "reduce_buckets",
            "check_same_threads", "check_elementwise_optimizer", "quantum"]
 
 
@@ -95,12 +92,6 @@ def reduce_buckets(roots: list, ledger, world_size: int, sharded: bool) -> list:
             total.div_(world_size)          # a power of two: exact
         out.append(total)
     return out
-
-
-def squared_norm(grads: list, ledger=None, sharded: bool = False) -> torch.Tensor:
-    """The squared norm of the whole gradient (0-d fp32), the same bits on any N and any layout:
-    `grads` are the step's gradients, whole or this rank's shards (sharded=True)."""
-    return exact_sum_of_squares(grads, ledger, sharded=sharded)
 
 
 def check_same_threads(ledger) -> None:

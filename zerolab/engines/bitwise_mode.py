@@ -10,7 +10,7 @@ world the mode needs, p.grad's placeholders between a backward and the step
 from __future__ import annotations
 
 from ..bitwise.buckets import check_same_threads
-from ..bitwise.buckets import squared_norm as fixed_order_norm
+from ..bitwise.norm import exact_sum_of_squares
 from ..bitwise.chunks import is_power_of_two
 from . import chunk_grad
 
@@ -76,5 +76,5 @@ class BitwiseMode:
         return self._trees.held() + list(self._summed or [])
 
     def _chunk_norm(self) -> float:
-        """The norm of the step's gradient, the chunks' sum, added in the fixed order."""
-        return float(fixed_order_norm(self._chunk_sum(), self.comm, self.sharded).sqrt())
+        """The norm of the step's gradient, the chunks' sum, exact (zerolab.bitwise.norm)."""
+        return float(exact_sum_of_squares(self._chunk_sum(), self.comm, self.sharded).sqrt())

@@ -25,8 +25,8 @@ LOOKS = frozenset({"size", "dim", "numel", "nelement", "element_size", "stride",
 
 MESSAGE = ("under bitwise=True a parameter's gradient is the sum of every rank's chunks along a fixed "
            "tree, made at the step, so p.grad has no value between backward and step ({what}). Clip "
-           "with max_grad_norm= or engine.clip_grad_norm_(max_norm), which add in the tree's fixed "
-           "order; read the step's gradients with engine.clip_grad_norm_ (it returns their norm).")
+           "with max_grad_norm= or engine.clip_grad_norm_(max_norm), whose norm is exact at any "
+           "world size; read the step's gradients with engine.clip_grad_norm_ (it returns their norm).")
 
 
 ZEROING = frozenset({"zero_", "_foreach_zero_"})     # zero_grad(set_to_none=False)

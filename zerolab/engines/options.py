@@ -82,7 +82,8 @@ The contract:
   each unit's) is cast to fp32 and added into its tree (zerolab.bitwise.buckets.ChunkTrees), and
   p.grad is freed for the next chunk; between backward and step p.grad holds a placeholder that
   refuses to be read (engines.chunk_grad), and the overlap= option has nothing to overlap;
-  no_sync() and require_backward_grad_sync are accepted and change nothing;
+  no_sync() and require_backward_grad_sync are accepted and change nothing (but see zl.DDP
+  with no optimizer, below);
 * at the step (or at engine.clip_grad_norm_, whichever comes first) the ranks agree on K (one
   small all-reduce: unequal or not a power of two is refused by name on every rank), then each
   tree goes up the fixed tree across ranks (DDP: tree_all_reduce; ZeRO: tree_reduce_scatter into

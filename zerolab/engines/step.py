@@ -174,11 +174,10 @@ class Step:
     def _clip(self, grads, max_norm) -> None:
         """Scale the step's gradients so that the whole gradient's norm is at most max_norm
         (sharded engines hold disjoint slices: their squared norms are summed over ranks).
-        bitwise=True: the fixed-order block norm, bucket by bucket (zerolab.bitwise.buckets)."""
+        bitwise=True: the exact squared norm (zerolab.bitwise.norm), whatever the layout."""
         if self.bitwise:
-            from ..bitwise.buckets import squared_norm as fixed_order_norm
-            from ..bitwise.norm import clip_coefficient
-            sumsq = fixed_order_norm(grads, self.comm, self.sharded)
+            from ..bitwise.norm import clip_coefficient, exact_sum_of_squares
+            sumsq = exact_sum_of_squares(grads, self.comm, self.sharded)
             coefficient = clip_coefficient(sumsq, max_norm)
             for g in grads:
                 g.mul_(coefficient)
